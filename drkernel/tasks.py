@@ -1,0 +1,162 @@
+"""Kernel-writing tasks: KernelBench problems (hub id or local path), single files, bundled set.
+
+A task is a reference PyTorch program in KernelBench format: `class Model(nn.Module)`,
+`get_inputs()` and `get_init_inputs()`. The policy must write `ModelNew` with the same
+constructor and forward signatures. Everything downstream (prompts, evaluator, rewards)
+only needs `Task.code`, so every source is turned into the same small dataclass.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Iterable, Sequence
+
+DEFAULT_HUB_ID = "ScalingIntelligence/KernelBench"
+BUNDLED_DIR = Path(__file__).parent / "data" / "tasks"
+BUNDLED_SOLUTIONS_DIR = Path(__file__).parent / "data" / "solutions"
+REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
+
+
+class TaskError(ValueError):
+    """A task file or dataset row that is not a valid KernelBench problem."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    name: str  # e.g. "19_ReLU.py" (KernelBench's file name)
+    level: int
+    problem_id: int
+    code: str
+    source: str = ""  # where it came from (dataset path, file, "bundled")
+
+    @property
+    def key(self) -> str:
+        """A stable id used in result files: `level_problemid`."""
+        return f"{self.level}_{self.problem_id}"
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.code.encode()).hexdigest()[:16]
+
+    def write(self, directory: str | os.PathLike) -> Path:
+        """Write the reference to a real file (the evaluator imports files, never `exec`s strings)."""
+        path = Path(directory) / f"ref_{self.level}_{self.problem_id}_{self.digest}.py"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(self.code)
+            os.replace(tmp, path)
+        return path
+
+
+def validate_code(code: str, where: str = "task") -> None:
+    """Check that the source parses and defines Model, get_inputs and get_init_inputs."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError as exc:
+        raise TaskError(f"{where}: not valid Python ({exc.msg}, line {exc.lineno})") from None
+    defined = {
+        node.name for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+    } | {
+        t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    missing = [n for n in REQUIRED_NAMES if n not in defined]
+    if missing:
+        raise TaskError(f"{where}: missing {', '.join(missing)} (a KernelBench problem needs all of "
+                        f"{', '.join(REQUIRED_NAMES)})")
+
+
+def _parse_name(name: str) -> tuple[int | None, str]:
+    m = re.match(r"^(\d+)_", Path(name).name)
+    return (int(m.group(1)) if m else None), Path(name).name
+
+
+def load_task_file(path: str | os.PathLike, level: int = 0, problem_id: int | None = None) -> Task:
+    """One problem file. The problem id defaults to the file name's leading number."""
+    path = Path(path)
+    if not path.is_file():
+        raise TaskError(f"{path}: no such task file")
+    code = path.read_text()
+    validate_code(code, str(path))
+    pid, name = _parse_name(path.name)
+    if problem_id is None:
+        problem_id = pid if pid is not None else 0
+    return Task(name=name, level=level, problem_id=problem_id, code=code, source=str(path))
+
+
+def load_bundled(problem_ids: Sequence[int] | None = None) -> list[Task]:
+    """Our own tiny problems (level 0) for CPU tests and the offline defaults."""
+    tasks = [load_task_file(p, level=0) for p in sorted(BUNDLED_DIR.glob("*.py"))]
+    tasks.sort(key=lambda t: t.problem_id)
+    if problem_ids:
+        wanted = set(problem_ids)
+        tasks = [t for t in tasks if t.problem_id in wanted]
+    for t in tasks:
+        object.__setattr__(t, "source", "bundled")
+    return tasks
+
+
+def bundled_solution(task: Task) -> Path | None:
+    """Our reference Triton solution for a bundled task, if we wrote one."""
+    path = BUNDLED_SOLUTIONS_DIR / task.name
+    return path if path.is_file() else None
+
+
+def load_kernelbench(path_or_id: str = DEFAULT_HUB_ID, level: int = 1,
+                     problem_ids: Sequence[int] | None = None) -> list[Task]:
+    """KernelBench level N through `datasets` (hub id or a local copy in the hub's layout)."""
+    import datasets
+
+    ds = datasets.load_dataset(path_or_id, split=f"level_{level}")
+    return rows_to_tasks(ds, source=f"{path_or_id}:level_{level}", problem_ids=problem_ids)
+
+
+def rows_to_tasks(rows: Iterable[dict], source: str = "",
+                  problem_ids: Sequence[int] | None = None) -> list[Task]:
+    """Turn dataset rows (code, level, name, problem_id) into tasks, rejecting broken rows."""
+    wanted = set(problem_ids) if problem_ids else None
+    tasks = []
+    for i, row in enumerate(rows):
+        missing = [c for c in ("code", "level", "problem_id") if c not in row or row[c] is None]
+        if missing:
+            raise TaskError(f"{source} row {i}: missing column(s) {', '.join(missing)}")
+        pid = int(row["problem_id"])
+        if wanted is not None and pid not in wanted:
+            continue
+        name = row.get("name") or f"{pid}_problem.py"
+        validate_code(row["code"], f"{source} {name}")
+        tasks.append(Task(name=name, level=int(row["level"]), problem_id=pid,
+                          code=row["code"], source=source))
+    tasks.sort(key=lambda t: t.problem_id)
+    return tasks
+
+
+def load_tasks(spec: str = "bundled", levels: Sequence[int] = (1,),
+               problem_ids: Sequence[int] | None = None) -> list[Task]:
+    """Resolve a task-set spec used by every script.
+
+    - "bundled": our tiny problems;
+    - a `.py` file: one problem; a directory of `.py` files: each is a problem;
+    - anything else: a `datasets` path or hub id holding KernelBench splits `level_N`.
+    """
+    if spec == "bundled":
+        return load_bundled(problem_ids)
+    path = Path(spec)
+    if path.suffix == ".py":
+        return [load_task_file(path)]
+    if path.is_dir() and any(path.glob("*.py")) and not any(path.glob("**/*.jsonl")) \
+            and not any(path.glob("**/*.parquet")):
+        tasks = [load_task_file(p) for p in sorted(path.glob("*.py"))]
+        if problem_ids:
+            tasks = [t for t in tasks if t.problem_id in set(problem_ids)]
+        return tasks
+    out: list[Task] = []
+    for level in levels:
+        out.extend(load_kernelbench(spec, level, problem_ids))
+    return out
