@@ -111,10 +111,26 @@ def bundled_solution(task: Task) -> Path | None:
 def load_kernelbench(path_or_id: str = DEFAULT_HUB_ID, level: int = 1,
                      problem_ids: Sequence[int] | None = None) -> list[Task]:
     """KernelBench level N through `datasets` (hub id or a local copy in the hub's layout)."""
-    import datasets
+    try:
+        import datasets
+    except ImportError:  # e.g. a GPU image without `datasets`: read a local copy directly
+        rows = _read_local_split(path_or_id, level)
+    else:
+        rows = datasets.load_dataset(path_or_id, split=f"level_{level}")
+    return rows_to_tasks(rows, source=f"{path_or_id}:level_{level}", problem_ids=problem_ids)
 
-    ds = datasets.load_dataset(path_or_id, split=f"level_{level}")
-    return rows_to_tasks(ds, source=f"{path_or_id}:level_{level}", problem_ids=problem_ids)
+
+def _read_local_split(path: str, level: int) -> list[dict]:
+    """The hub layout's JSONL files of one split, without `datasets` (local copies only)."""
+    import json
+
+    files = sorted(Path(path).glob(f"**/level_{level}-*.jsonl"))
+    if not files:
+        raise TaskError(f"`datasets` is not installed and {path} holds no level_{level}-*.jsonl files")
+    rows = []
+    for f in files:
+        rows.extend(json.loads(line) for line in f.read_text().splitlines() if line.strip())
+    return rows
 
 
 def rows_to_tasks(rows: Iterable[dict], source: str = "",

@@ -1,0 +1,90 @@
+"""Evaluator benchmark (GPU): wall time per evaluation, speedup and its spread over repeats.
+
+Candidates: our Triton solutions in bench/solutions/ (level{L}_{id}_*.py) and, for the first
+`--n-ref` level-1/2 problems, the reference itself as a torch-only candidate (hack checks that
+require Triton are switched off for those, so we measure the timing path: the speedup of a
+reference against itself must land in [0.95, 1.05]).
+
+    python bench/evaluator.py --kernelbench ../shared/kernelbench --repeats 3 --out out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
+from drkernel.tasks import load_kernelbench  # noqa: E402
+
+SOLUTIONS = Path(__file__).resolve().parent / "solutions"
+
+
+def reference_as_candidate(code: str) -> str:
+    return code + "\n\nclass ModelNew(Model):\n    pass\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernelbench", default="../shared/kernelbench")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--n-ref", type=int, default=10)
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--perf-trials", type=int, default=100)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "evaluator.json"))
+    args = ap.parse_args()
+
+    tasks = {(t.level, t.problem_id): t for lvl in (1, 2) for t in load_kernelbench(args.kernelbench, lvl)}
+    cases = []  # (label, task, candidate code, allow_torch)
+    for path in sorted(SOLUTIONS.glob("level*_*.py")):
+        level, pid = int(path.name[5]), int(path.name.split("_")[1])
+        cases.append((path.stem, tasks[(level, pid)], path.read_text(), False))
+    ref_ids = [(1, i) for i in (19, 23, 26, 40, 47, 1, 21, 36)] + [(2, i) for i in (12, 9)]
+    for level, pid in ref_ids[: args.n_ref]:
+        t = tasks[(level, pid)]
+        cases.append((f"ref_self_L{level}_{t.name[:-3]}", t, reference_as_candidate(t.code), True))
+
+    rows = []
+    base = dict(device=args.device, trials=args.trials, perf_trials=args.perf_trials)
+    with Evaluator(EvalConfig(**base)) as strict, Evaluator(EvalConfig(**base, require_triton=False)) as loose:
+        for label, task, code, allow_torch in cases:
+            ev = loose if allow_torch else strict
+            walls, speedups, verdicts, last = [], [], [], None
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                res = ev.evaluate(task.code, code)
+                walls.append(time.perf_counter() - t0)
+                verdicts.append(res.verdict)
+                if res.speedup is not None:
+                    speedups.append(res.speedup)
+                last = res
+            row = dict(case=label, verdict=verdicts[-1], verdicts=verdicts, hacks=last.hacks,
+                       error=(last.error or "")[:200], ref_ms=last.ref_ms, candidate_ms=last.candidate_ms,
+                       speedups=speedups, wall_s=walls, median_wall_s=statistics.median(walls),
+                       triton_time_share=last.triton_time_share,
+                       spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(f"\n{'case':58s} {'verdict':9s} {'ref_ms':>8s} {'cand_ms':>8s} {'speedup':>8s} {'spread':>7s} "
+          f"{'share':>6s} {'wall_s':>7s}")
+    for r in rows:
+        sp = statistics.median(r["speedups"]) if r["speedups"] else None
+        f = lambda v, fmt: (fmt % v) if v is not None else "-"  # noqa: E731
+        print(f"{r['case'][:58]:58s} {r['verdict']:9s} {f(r['ref_ms'], '%.3f'):>8s} "
+              f"{f(r['candidate_ms'], '%.3f'):>8s} {f(sp, '%.3f'):>8s} {f(r['spread'], '%.3f'):>7s} "
+              f"{f(r['triton_time_share'], '%.2f'):>6s} {r['median_wall_s']:7.2f}")
+    print(f"median wall per evaluation: {statistics.median(w for r in rows for w in r['wall_s']):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
