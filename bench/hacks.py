@@ -1,0 +1,79 @@
+"""Hack-detection benchmark (GPU): every hostile and legit fixture through the evaluator.
+
+Reads tests/fixtures/{hacks,legit}/*.py (headers `# task:`, `# expect:`, `# device:`),
+evaluates each on the GPU against its bundled task, and checks the verdict and hack code.
+Also evaluates the level-2 "GEMM in torch + Triton epilogue" solution, whose Triton time
+share must stay under 0.3.
+
+    python bench/hacks.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
+from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
+
+
+def headers(path: Path) -> dict[str, str]:
+    out = {}
+    for line in path.read_text().splitlines()[:12]:
+        if line.startswith("# ") and ":" in line:
+            key, _, val = line[2:].partition(":")
+            out[key.strip()] = val.strip()
+    return out
+
+
+def check(expect: str, res) -> bool:
+    parts = expect.split()
+    if parts[0] == "hacked":
+        return res.verdict == "hacked" and (len(parts) == 1 or parts[1] in res.hacks)
+    return res.verdict == parts[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kernelbench", default="../shared/kernelbench")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "hacks.json"))
+    args = ap.parse_args()
+    files = sorted((ROOT / "tests/fixtures/hacks").glob("*.py")) + sorted((ROOT / "tests/fixtures/legit").glob("*.py"))
+    rows = []
+    with Evaluator(EvalConfig(device=args.device, trials=3, perf_trials=30)) as ev:
+        for f in files:
+            h = headers(f)
+            ref = (BUNDLED_DIR / h["task"]).read_text()
+            res = ev.evaluate(ref, f.read_text())
+            rows.append(dict(file=f.name, device=h.get("device"), expect=h["expect"], verdict=res.verdict,
+                             hacks=res.hacks, ok=check(h["expect"], res), error=(res.error or "")[:160],
+                             share=res.triton_time_share))
+            print(json.dumps(rows[-1]), flush=True)
+        for sol in sorted((ROOT / "bench/solutions").glob("level2_*torch_gemm*.py")):
+            pid = int(sol.name.split("_")[1])
+            task = next(t for t in load_kernelbench(args.kernelbench, 2) if t.problem_id == pid)
+            res = ev.evaluate(task.code, sol.read_text())
+            share = res.triton_time_share
+            rows.append(dict(file=sol.name, device="cuda", expect="correct, share < 0.3", verdict=res.verdict,
+                             hacks=res.hacks, ok=res.verdict == "correct" and share is not None and share < 0.3,
+                             error=(res.error or "")[:160], share=share, speedup=res.speedup,
+                             kernels=res.kernels))
+            print(json.dumps(rows[-1]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    print(f"\n{'file':44s} {'dev':4s} {'expect':30s} {'verdict':14s} {'hacks':30s} ok")
+    for r in rows:
+        print(f"{r['file'][:44]:44s} {str(r['device'])[:4]:4s} {r['expect'][:30]:30s} {r['verdict']:14s} "
+              f"{','.join(r['hacks'])[:30]:30s} {'yes' if r['ok'] else 'NO'}")
+    print(f"{sum(r['ok'] for r in rows)}/{len(rows)} as expected")
+
+
+if __name__ == "__main__":
+    main()
