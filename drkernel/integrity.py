@@ -1,0 +1,314 @@
+"""Integrity checks used by the evaluator: static source scan, patch and global-state snapshots.
+
+Everything here runs inside the evaluation child. A snapshot is taken before any candidate
+code is imported; after each candidate call the evaluator compares the live state against
+it. Identity (`is`) is compared, never equality, so a replacement with an equal-looking
+wrapper is still caught.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+# --------------------------------------------------------------------------------------
+# Static scan of the candidate source
+# --------------------------------------------------------------------------------------
+
+# attribute / name / string tokens that only make sense for reaching outside the candidate
+_REF_ATTRS = {
+    "get_objects", "get_referrers", "get_referents", "_getframe", "currentframe",
+    "getouterframes", "getinnerframes", "f_back", "f_globals", "f_locals", "f_builtins",
+    "tb_frame", "gi_frame", "cr_frame", "ag_frame", "_current_frames", "stack", "trace",
+}
+_REF_MODULES = {"ctypes", "gc", "_ctypes", "cffi"}
+_THREAD_MODULES = {"threading", "_thread", "concurrent", "multiprocessing", "asyncio", "subprocess"}
+_PATCH_STRINGS = {"torch.library", "Library", "_dispatch", "impl_abstract", "register_kernel",
+                  "__torch_function__", "__torch_dispatch__", "settrace", "setprofile"}
+
+
+def _dotted(node: ast.AST) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+    return ".".join(reversed(parts))
+
+
+def static_scan(source: str, reference_path: str | None = None) -> list[tuple[str, str]]:
+    """Return (hack code, detail) findings for a candidate's source. Never raises."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    found: list[tuple[str, str]] = []
+
+    def add(code: str, detail: str) -> None:
+        if (code, detail) not in found:
+            found.append((code, detail))
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if isinstance(node, ast.ImportFrom):
+                names += [f"{node.module}.{a.name}" for a in node.names]
+            for n in names:
+                root = n.split(".")[0]
+                if root in _REF_MODULES:
+                    add("reference_access", f"imports {n}")
+                if root in _THREAD_MODULES:
+                    add("thread_spawned", f"imports {n}")
+                if n.startswith("torch.library") or n in ("torch.overrides", "torch.utils._python_dispatch"):
+                    add("patched_function", f"imports {n}")
+                if root == "inspect" and isinstance(node, ast.ImportFrom):
+                    for a in node.names:
+                        if a.name in _REF_ATTRS:
+                            add("reference_access", f"inspect.{a.name}")
+                if root == "sys" and isinstance(node, ast.ImportFrom):
+                    for a in node.names:
+                        if a.name in ("modules", "_getframe", "settrace", "setprofile", "_current_frames"):
+                            add("reference_access" if a.name in ("modules", "_getframe", "_current_frames")
+                                else "global_state_changed", f"from sys import {a.name}")
+        elif isinstance(node, ast.Attribute):
+            d = _dotted(node)
+            if node.attr in _REF_ATTRS and node.attr not in ("stack", "trace"):
+                add("reference_access", d or node.attr)
+            if node.attr in ("stack", "trace") and d.startswith("inspect."):
+                add("reference_access", d)
+            if d in ("sys.modules", "sys._current_frames"):
+                add("reference_access", d)
+            if d in ("sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile"):
+                add("global_state_changed", d)
+            if d.startswith("torch.library") or d.startswith("torch._C._dispatch") \
+                    or d.startswith("torch.overrides") or d.startswith("torch.utils._python_dispatch"):
+                add("patched_function", d)
+            if d.startswith("builtins.") or d.startswith("__builtins__"):
+                add("patched_function", d)
+        elif isinstance(node, ast.Name):
+            if node.id in ("__builtins__", "__import__"):
+                add("reference_access" if node.id == "__import__" else "patched_function", node.id)
+            if node.id in ("globals", "vars") and isinstance(getattr(node, "ctx", None), ast.Load):
+                pass  # harmless on their own
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            s = node.value
+            for tok in _REF_ATTRS - {"stack", "trace"}:
+                if s == tok:
+                    add("reference_access", f"string {s!r}")
+            if s in ("modules", "ctypes", "gc"):
+                add("reference_access", f"string {s!r}")
+            if s in _PATCH_STRINGS or s.startswith("aten::"):
+                add("patched_function", f"string {s!r}")
+            if reference_path and (os.path.basename(reference_path) in s or "ref_" in s and s.endswith(".py")):
+                add("reference_access", f"names the reference file ({s!r})")
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in (
+                "__torch_function__", "__torch_dispatch__"):
+            add("patched_function", f"defines {node.name}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                "exec", "eval", "compile"):
+            add("reference_access", f"calls {node.func.id}()")
+    return found
+
+
+# --------------------------------------------------------------------------------------
+# Runtime snapshots
+# --------------------------------------------------------------------------------------
+
+def _watched_namespaces() -> list[tuple[str, Any, bool]]:
+    """(label, object, strict) triples; strict = new attributes are also a finding."""
+    import torch
+    import torch.nn.functional as F
+
+    out: list[tuple[str, Any, bool]] = []
+    mods = [("torch", torch), ("torch.nn.functional", F), ("torch.nn", torch.nn), ("time", time),
+            ("builtins", builtins), ("torch.cuda", torch.cuda), ("torch.testing", torch.testing),
+            ("torch.linalg", torch.linalg), ("torch.fft", torch.fft), ("torch.special", torch.special),
+            ("torch.nn.init", torch.nn.init), ("sys", sys), ("threading", threading)]
+    try:
+        import math
+        mods.append(("math", math))
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        import triton
+        import triton.testing
+        mods.append(("triton.testing", triton.testing))
+        mods.append(("triton", triton))
+    except Exception:
+        pass
+    for label, m in mods:
+        out.append((label, m, False))
+    classes = [("torch.Tensor", torch.Tensor), ("torch.nn.Module", torch.nn.Module)]
+    base = getattr(torch._C, "TensorBase", None) or getattr(torch._C, "_TensorBase", None)
+    if base is not None:
+        classes.append(("torch._C.TensorBase", base))
+    for name in ("Event", "Stream"):
+        c = getattr(torch.cuda, name, None)
+        if isinstance(c, type):
+            classes.append((f"torch.cuda.{name}", c))
+    for name, obj in vars(torch.nn).items():
+        if isinstance(obj, type) and issubclass(obj, torch.nn.Module) and obj is not torch.nn.Module:
+            classes.append((f"torch.nn.{name}", obj))
+    try:
+        import triton.runtime.jit as tjit
+        for name in ("JITFunction", "KernelInterface"):
+            if hasattr(tjit, name):
+                classes.append((f"triton.runtime.jit.{name}", getattr(tjit, name)))
+    except Exception:
+        pass
+    try:
+        import triton.runtime.interpreter as tint
+        if hasattr(tint, "InterpretedFunction"):
+            classes.append(("triton.runtime.interpreter.InterpretedFunction", tint.InterpretedFunction))
+        if hasattr(tint, "GridExecutor"):
+            classes.append(("triton.runtime.interpreter.GridExecutor", tint.GridExecutor))
+    except Exception:
+        pass
+    try:
+        from triton.runtime.autotuner import Autotuner
+        classes.append(("triton.runtime.autotuner.Autotuner", Autotuner))
+    except Exception:
+        pass
+    for label, c in classes:
+        out.append((label, c, True))
+    return out
+
+
+_MODULE_NAMES = ("torch", "torch.nn", "torch.nn.functional", "time", "builtins", "triton",
+                 "triton.language", "triton.testing", "numpy", "torch.cuda")
+_IGNORED_KEYS = {"__dict__", "__weakref__", "__doc__", "_abc_impl", "__annotations__",
+                 "__parameters__", "__orig_bases__"}
+_VOLATILE = {"sys": {"last_type", "last_value", "last_traceback", "last_exc", "stdout", "stderr",
+                     "stdin", "ps1", "ps2", "exc_info", "_git", "path_importer_cache", "meta_path",
+                     "path", "path_hooks", "modules", "flags", "argv"},
+             "threading": {"_active", "_limbo", "_dangling", "_shutdown_locks", "_counter"}}
+
+
+def _vars(obj: Any) -> dict:
+    try:
+        return dict(vars(obj))
+    except TypeError:
+        return {}
+
+
+class IntegritySnapshot:
+    """Identities of everything the evaluator and reference rely on, plus global flags."""
+
+    def __init__(self, extra: dict[str, tuple[Any, str]] | None = None):
+        self.namespaces: list[tuple[str, Any, bool, dict]] = []
+        for label, obj, strict in _watched_namespaces():
+            self.namespaces.append((label, obj, strict, _vars(obj)))
+        self.modules = {n: sys.modules.get(n) for n in _MODULE_NAMES}
+        self.builtins_obj = builtins.__dict__
+        self.extra = dict(extra or {})  # name -> (owner, attr): e.g. our launch hook
+        self.extra_ids = {k: getattr(o, a, None) for k, (o, a) in self.extra.items()}
+        self.state = global_state()
+        self.hooks = _global_hook_counts()
+
+    def patched(self) -> list[str]:
+        found: list[str] = []
+        for label, obj, strict, saved in self.namespaces:
+            now = _vars(obj)
+            skip = _VOLATILE.get(label, set())
+            for k, v in saved.items():
+                if k in _IGNORED_KEYS or k in skip:
+                    continue
+                if not strict and isinstance(v, (int, float, str, bytes, bool, type(None))):
+                    continue  # module-level scalars (counters, init flags) change legitimately
+                if k not in now:
+                    found.append(f"{label}.{k} deleted")
+                elif now[k] is not v:
+                    found.append(f"{label}.{k} replaced")
+            if strict:
+                for k in now:
+                    if k not in saved and k not in _IGNORED_KEYS:
+                        found.append(f"{label}.{k} added")
+        for n, m in self.modules.items():
+            if sys.modules.get(n) is not m:
+                found.append(f"sys.modules[{n!r}] replaced")
+        for k, (o, a) in self.extra.items():
+            if getattr(o, a, None) is not self.extra_ids[k]:
+                found.append(f"{k} replaced")
+        hooks = _global_hook_counts()
+        for k, v in hooks.items():
+            if v != self.hooks.get(k):
+                found.append(f"global nn.Module {k} registered")
+        return found
+
+    def state_changes(self) -> list[str]:
+        now = global_state()
+        return [f"{k}: {self.state.get(k)!r} -> {v!r}" for k, v in now.items() if self.state.get(k) != v]
+
+
+def _global_hook_counts() -> dict[str, int]:
+    try:
+        import torch.nn.modules.module as mm
+    except Exception:
+        return {}
+    out = {}
+    for name in dir(mm):
+        if name.startswith("_global_") and name.endswith("hooks"):
+            try:
+                out[name] = len(getattr(mm, name))
+            except TypeError:
+                pass
+    return out
+
+
+def global_state() -> dict[str, Any]:
+    """Flags that change numerics or what the evaluator observes."""
+    import torch
+
+    st: dict[str, Any] = {}
+
+    def put(k, fn):
+        try:
+            st[k] = fn()
+        except Exception:
+            st[k] = "<unavailable>"
+
+    put("cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
+    put("cuda.matmul.fp16_reduced", lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+    put("cuda.matmul.bf16_reduced", lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+    put("cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32)
+    put("cudnn.enabled", lambda: torch.backends.cudnn.enabled)
+    put("cudnn.benchmark", lambda: torch.backends.cudnn.benchmark)
+    put("cudnn.deterministic", lambda: torch.backends.cudnn.deterministic)
+    put("float32_matmul_precision", torch.get_float32_matmul_precision)
+    put("default_dtype", lambda: str(torch.get_default_dtype()))
+    if hasattr(torch, "get_default_device"):
+        put("default_device", lambda: str(torch.get_default_device()))
+    put("deterministic_algorithms", torch.are_deterministic_algorithms_enabled)
+    put("grad_enabled", torch.is_grad_enabled)
+    put("inference_mode", torch.is_inference_mode_enabled)
+    put("num_threads", torch.get_num_threads)
+    put("torch_function_mode_stack", lambda: len(torch.overrides._get_current_function_mode_stack()))
+
+    def _dispatch_modes():
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        return len(_get_current_dispatch_mode_stack())
+
+    put("dispatch_mode_stack", _dispatch_modes)
+    put("sys.gettrace", lambda: repr(sys.gettrace()))
+    put("sys.getprofile", lambda: repr(sys.getprofile()))
+    put("threading.trace_hook", lambda: repr(getattr(threading, "_trace_hook", None)))
+    put("threading.profile_hook", lambda: repr(getattr(threading, "_profile_hook", None)))
+    put("anomaly", torch.is_anomaly_enabled)
+    return st
+
+
+def python_threads() -> set[int]:
+    return {t.ident for t in threading.enumerate() if t.ident is not None}
+
+
+def native_threads() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None

@@ -1,0 +1,131 @@
+"""Turn an evaluator verdict into a scalar reward, and profiling-based rejection sampling (PRS).
+
+reward = 0 (fail_reward) unless the verdict is `correct` with no hacks; otherwise
+
+    correct_weight * 1 + speedup_weight * min(speedup, speedup_cap) + profile_weight * share
+
+- `share` is the candidate's Triton share of device time (`triton_time_share`, the paper's
+  profiling reward). On CPU there is no device profile (None): the term is 0.
+- `speedup` None (not timed) contributes 0. A CPU speedup (`timing == "cpu_wall"`, the Triton
+  interpreter vs eager torch) still counts: it is what the CPU run measured, consistent within
+  a CPU run, but it is not comparable to GPU speedups (it is usually far below 1).
+
+PRS: a correct turn is kept with probability clamp((share - threshold) / width, 0, 1), so that
+correct-but-lazy kernels (most time in torch/cuBLAS, a decoy Triton launch) are rarely trained
+on. Failures are always kept (they are the negative samples). A correct turn without a profile
+(share None, e.g. CPU) is kept with probability 1: there is no evidence to reject it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import Any
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    correct_weight: float = 0.5
+    speedup_weight: float = 0.5
+    speedup_cap: float = 3.0
+    profile_weight: float = 0.5
+    prs_enabled: bool = True
+    prs_threshold: float = 0.3
+    prs_width: float = 0.1
+    fail_reward: float = 0.0
+
+
+@dataclasses.dataclass
+class RewardTerms:
+    reward: float
+    correct_term: float = 0.0
+    speedup_term: float = 0.0
+    profile_term: float = 0.0
+    failed: bool = False
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _get(result: Any, key: str, default: Any = None) -> Any:
+    if result is None:
+        return default
+    if isinstance(result, dict):
+        return result.get(key, default)
+    return getattr(result, key, default)
+
+
+def _finite(x: Any) -> float | None:
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def is_correct(result: Any) -> bool:
+    """Verdict `correct` and no hack codes."""
+    return _get(result, "verdict") == "correct" and not _get(result, "hacks")
+
+
+def compute_reward(result: Any, cfg: RewardConfig | None = None) -> RewardTerms:
+    """`result`: an EvalResult or its dict (`verdict`, `hacks`, `speedup`, `triton_time_share`, `timing`)."""
+    cfg = cfg or RewardConfig()
+    verdict = _get(result, "verdict")
+    hacks = _get(result, "hacks") or []
+    if verdict != "correct" or hacks:
+        if hacks:
+            reason = "hacked: " + ", ".join(map(str, hacks))
+        else:
+            reason = str(verdict or "no verdict")
+        return RewardTerms(reward=float(cfg.fail_reward), failed=True, reason=reason)
+    correct_term = cfg.correct_weight * 1.0
+    speedup = _finite(_get(result, "speedup"))
+    speedup_term = 0.0
+    notes = []
+    if speedup is not None:
+        speedup_term = cfg.speedup_weight * min(max(speedup, 0.0), cfg.speedup_cap)
+        if _get(result, "timing") == "cpu_wall":
+            notes.append("cpu_wall speedup")
+    else:
+        notes.append("no speedup")
+    share = _finite(_get(result, "triton_time_share"))
+    profile_term = 0.0
+    if share is not None:
+        profile_term = cfg.profile_weight * min(max(share, 0.0), 1.0)
+    else:
+        notes.append("no profile")
+    reward = correct_term + speedup_term + profile_term
+    return RewardTerms(reward=reward, correct_term=correct_term, speedup_term=speedup_term,
+                       profile_term=profile_term, failed=False,
+                       reason="correct" + (f" ({', '.join(notes)})" if notes else ""))
+
+
+def prs_keep_prob(share: float | None, cfg: RewardConfig | None = None) -> float:
+    """clamp((share - threshold) / width, 0, 1); 1.0 when share is None or PRS is disabled."""
+    cfg = cfg or RewardConfig()
+    s = _finite(share)
+    if not cfg.prs_enabled or s is None:
+        return 1.0
+    if cfg.prs_width <= 0:
+        return 1.0 if s >= cfg.prs_threshold else 0.0
+    return min(1.0, max(0.0, (s - cfg.prs_threshold) / cfg.prs_width))
+
+
+def prs_keep(result: Any, cfg: RewardConfig | None = None,
+             generator: random.Random | None = None) -> bool:
+    """Keep this turn for training? Only correct turns are subject to PRS; failures are kept."""
+    cfg = cfg or RewardConfig()
+    if not cfg.prs_enabled or not is_correct(result):
+        return True
+    p = prs_keep_prob(_get(result, "triton_time_share"), cfg)
+    if p >= 1.0:
+        return True
+    if p <= 0.0:
+        return False
+    rng = generator if generator is not None else random
+    return rng.random() < p

@@ -1,0 +1,829 @@
+"""Run a function in a forked child that can never take the parent down.
+
+Why a fork server: the trainer holds a CUDA context and a lot of memory. Forking it would
+hand untrusted kernels a copy of that context (CUDA does not survive fork) and a cold
+``subprocess`` per job would pay ``import torch`` (seconds) every time. So a *zygote* is
+started once with fork+exec (``python -m drkernel.sandbox --zygote``): it imports torch
+and triton (which does not initialise CUDA), then forks one short-lived child per job.
+
+Pieces:
+
+* ``ForkServer`` -- owns one zygote; ``run("pkg.mod:fn", kwargs, limits)`` returns a
+  ``SandboxResult``. The zygote is restarted transparently if it dies.
+* ``SandboxPool`` -- several ForkServers (e.g. one per GPU) with an ordered ``map``.
+* ``device_lock`` -- an ``flock`` so that timing on one GPU can hold it alone.
+
+Protocol (parent <-> zygote): 8-byte big-endian length + UTF-8 JSON, over the zygote's
+stdin/stdout, which the zygote moves to private descriptors at start so that stray prints
+cannot corrupt the stream. Per job the zygote answers ``started`` (child pid) and then
+``result``. The child never talks on the pipe: it writes its return value (JSON) to a file
+in its private temp dir, so a dying child can at worst leave no file.
+
+Supervision happens in the zygote (single-threaded; it forks only from its main thread):
+wall-clock timeout, RSS of every process of the job, and the number of those processes.
+The job's processes are the child's process group plus every descendant of the zygote
+(the zygote is a child subreaper, so grandchildren that ``setsid`` or are orphaned still
+count). Everything is killed with SIGKILL when the job ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import importlib
+import json
+import os
+import queue
+import resource
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback as _traceback
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+STATUSES = ("ok", "exception", "timeout", "signal", "exit_no_result", "oom", "oversized_result",
+            "sandbox_error")
+
+_PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HEADER = struct.Struct(">Q")
+_POLL_S = 0.05
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+# ======================================================================================
+# Public data types
+# ======================================================================================
+
+@dataclasses.dataclass
+class SandboxLimits:
+    """Per-job limits. ``address_space_mb`` (RLIMIT_AS) is off by default: CUDA reserves huge
+    virtual ranges and fails under it; RSS is policed by the watchdog instead."""
+
+    timeout_s: float = 120.0
+    cpu_time_s: float | None = None  # None: 2 x timeout, at least 10 s
+    max_rss_mb: int = 32768
+    max_file_mb: int = 1024
+    max_open_files: int = 1024
+    max_procs: int = 64
+    max_output_chars: int = 20000
+    max_result_bytes: int = 32 * 2**20
+    address_space_mb: int | None = None
+
+    def cpu_limit(self) -> int:
+        cpu = self.cpu_time_s if self.cpu_time_s is not None else max(10.0, 2.0 * self.timeout_s)
+        return max(1, int(cpu + 0.999))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class SandboxResult:
+    """How one job ended. ``status`` is one of ``STATUSES``; ``value`` is set only for ``ok``."""
+
+    status: str
+    value: Any = None
+    error: str | None = None
+    traceback: str | None = None
+    stdout: str = ""
+    stderr: str = ""
+    exitcode: int | None = None
+    signal: int | None = None
+    wall_s: float = 0.0
+    peak_rss_mb: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _as_limits(limits: SandboxLimits | dict | None) -> SandboxLimits:
+    if limits is None:
+        return SandboxLimits()
+    if isinstance(limits, dict):
+        return SandboxLimits(**limits)
+    return limits
+
+
+# ======================================================================================
+# Framing (used by both sides)
+# ======================================================================================
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _send(fd: int, msg: dict) -> None:
+    body = json.dumps(msg).encode()
+    _write_all(fd, _HEADER.pack(len(body)) + body)
+
+
+def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
+    """Read n bytes; None on EOF. Raises TimeoutError past ``deadline`` (monotonic)."""
+    chunks, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError("no answer from the zygote")
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _recv(fd: int, deadline: float | None = None) -> dict | None:
+    head = _read_exact(fd, _HEADER.size, deadline)
+    if head is None:
+        return None
+    body = _read_exact(fd, _HEADER.unpack(head)[0], deadline)
+    return None if body is None else json.loads(body)
+
+
+# ======================================================================================
+# Process inspection (zygote side)
+# ======================================================================================
+
+def _proc_table() -> dict[int, tuple[str, int, int, int]]:
+    """pid -> (state, ppid, pgid, rss_bytes) for every process, from /proc/<pid>/stat.
+    (The stat ``rss`` field is the same number as VmRSS in /proc/<pid>/status.)"""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                raw = fh.read()
+        except OSError:
+            continue
+        rest = raw[raw.rfind(b")") + 2:].split()  # comm may contain spaces and parens
+        try:
+            table[int(name)] = (rest[0].decode(), int(rest[1]), int(rest[2]), int(rest[21]) * _PAGE)
+        except (IndexError, ValueError):
+            continue
+    return table
+
+
+def _job_processes(root: int, pgid: int) -> dict[int, tuple[str, int, int, int]]:
+    """Processes of the running job: the job's process group and all descendants of ``root``
+    (the zygote, which is a subreaper), minus the zygote itself."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (_, ppid, _, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found = {pid for pid, info in table.items() if info[2] == pgid}
+    stack = list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        if pid not in found:
+            found.add(pid)
+        stack.extend(children.get(pid, []))
+    found.discard(root)
+    return {pid: table[pid] for pid in found if pid in table}
+
+
+def _signal_job(root: int, pgid: int) -> dict:
+    """SIGKILL the job's group and every live descendant once (no reaping). Returns what was seen."""
+    with contextlib.suppress(OSError):
+        os.killpg(pgid, signal.SIGKILL)
+    procs = _job_processes(root, pgid)
+    for pid, info in procs.items():
+        if info[0] != "Z":
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    return procs
+
+
+def _kill_job(root: int, pgid: int) -> None:
+    """After the child was reaped: kill and reap every leftover until none is seen."""
+    for _ in range(200):
+        procs = _signal_job(root, pgid)
+        _reap_all()
+        if not procs:
+            return
+        time.sleep(0.005)
+
+
+def _reap_all() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _prctl(option: int, arg: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, arg, 0, 0, 0) == 0
+    except Exception:
+        return False
+
+
+# ======================================================================================
+# The child (runs in the forked process; never returns)
+# ======================================================================================
+
+def _set_limit(kind: int, value: int) -> None:
+    """Set soft = hard = value, never above the current hard limit (raising it needs privileges)."""
+    hard = resource.getrlimit(kind)[1]
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard)
+    resource.setrlimit(kind, (value, value))
+
+
+def _apply_limits(lim: SandboxLimits) -> None:
+    cpu = lim.cpu_limit()
+    soft, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    cpu_hard = cpu + 5 if hard == resource.RLIM_INFINITY else min(cpu + 5, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (min(cpu, cpu_hard), cpu_hard))  # SIGXCPU, then SIGKILL
+    _set_limit(resource.RLIMIT_FSIZE, int(lim.max_file_mb) * 2**20)
+    _set_limit(resource.RLIMIT_NOFILE, int(lim.max_open_files))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if lim.address_space_mb:
+        _set_limit(resource.RLIMIT_AS, int(lim.address_space_mb) * 2**20)
+
+
+def _short_error(exc: BaseException) -> str:
+    try:
+        msg = str(exc)
+    except Exception:
+        msg = "<unprintable message>"
+    return f"{type(exc).__name__}: {msg}"[:2000]
+
+
+def _format_tb(exc: BaseException) -> str:
+    try:
+        return "".join(_traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]
+    except Exception:
+        return ""
+
+
+def _write_result(path: str, payload: dict, max_bytes: int) -> None:
+    """Write atomically (tmp + rename) so that a half-written file is never read as a result."""
+    data = json.dumps(payload).encode()
+    if len(data) > max_bytes:
+        data = json.dumps({"__oversized__": len(data)}).encode()
+    tmp = path + ".part"
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def _child_main(job: dict, workdir: str, result_path: str, pipe_fds: tuple[int, int]) -> None:
+    """Set the child up, call the target, write the result file, ``os._exit``.
+    SystemExit is deliberately *not* a result: the job ends as ``exit_no_result``."""
+    code = 0
+    try:
+        for fd in pipe_fds:  # untrusted code must not reach the zygote's pipe
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        os.setsid()
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            out = os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(out, fd)
+            os.close(out)
+        lim = SandboxLimits(**job["limits"])
+        _apply_limits(lim)
+        os.environ["TMPDIR"] = workdir
+        tempfile.tempdir = workdir
+        for key, val in (job.get("env") or {}).items():
+            os.environ[str(key)] = str(val)
+            if key == "PYTHONPATH":  # sys.path was fixed at zygote start; honour it here too
+                sys.path[:0] = [p for p in str(val).split(os.pathsep) if p]
+        os.chdir(job.get("cwd") or workdir)
+        if job.get("cwd"):
+            sys.path.insert(0, job["cwd"])
+        importlib.invalidate_caches()
+        try:
+            module_name, func_name = job["target"].split(":", 1)
+            func = getattr(importlib.import_module(module_name), func_name)
+            value = func(**job["kwargs"])
+            try:
+                payload = {"value": value}
+                json.dumps(payload)
+            except (TypeError, ValueError, RecursionError) as exc:
+                payload = {"__exception__": "return value is not JSON-serialisable: " + _short_error(exc),
+                           "traceback": ""}
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if not isinstance(exc.code, (int, type(None))):
+                with contextlib.suppress(BaseException):
+                    print(exc.code, file=sys.stderr)
+            payload = None
+        except MemoryError as exc:
+            payload = {"__exception__": _short_error(exc), "traceback": _format_tb(exc), "oom": True}
+        except BaseException as exc:
+            payload = {"__exception__": _short_error(exc), "traceback": _format_tb(exc)}
+        if payload is not None:
+            try:
+                _write_result(result_path, payload, lim.max_result_bytes)
+            except MemoryError:
+                _write_result(result_path, {"__exception__": "MemoryError", "traceback": "", "oom": True},
+                              lim.max_result_bytes)
+    except BaseException:
+        code = 70  # our own setup failed; no result file means exit_no_result
+        with contextlib.suppress(BaseException):
+            _traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            with contextlib.suppress(BaseException):
+                stream.flush()
+        os._exit(code & 0xFF)
+
+
+# ======================================================================================
+# The zygote
+# ======================================================================================
+
+def _read_output(path: str, max_chars: int) -> str:
+    """Head + tail of a captured stream, with a marker saying how much was dropped."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            if size <= max_chars:
+                return fh.read().decode("utf-8", "replace")
+            head = fh.read(max_chars // 2)
+            fh.seek(size - (max_chars - max_chars // 2))
+            tail = fh.read()
+    except OSError:
+        return ""
+    dropped = size - len(head) - len(tail)
+    return (head.decode("utf-8", "replace") + f"\n[... {dropped} chars truncated ...]\n"
+            + tail.decode("utf-8", "replace"))
+
+
+def _supervise(pid: int, lim: SandboxLimits, t0: float) -> tuple[int, str | None, float]:
+    """Wait for the child while policing time, memory and process count.
+    Returns (wait status, kill reason or None, peak RSS in MB)."""
+    root = os.getpid()
+    parent = os.getppid()
+    pidfd = None
+    with contextlib.suppress(Exception):
+        pidfd = os.pidfd_open(pid)
+    deadline = t0 + lim.timeout_s
+    reason, peak, wait = None, 0.0, 0.002
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done == pid:
+                return status, reason, peak
+            if reason is None:
+                procs = _job_processes(root, pid)
+                live = [info for info in procs.values() if info[0] != "Z"]
+                rss_mb = sum(info[3] for info in live) / 2**20
+                peak = max(peak, rss_mb)
+                if time.monotonic() > deadline:
+                    reason = "timeout"
+                elif rss_mb > lim.max_rss_mb:
+                    reason = "oom"
+                elif len(live) > lim.max_procs:
+                    reason = "procs"
+                elif os.getppid() != parent:  # the trainer is gone: stop everything
+                    reason = "orphaned"
+            if reason is not None:
+                _signal_job(root, pid)  # again each round: a fork bomb may still be spawning
+            if pidfd is not None:
+                select.select([pidfd], [], [], _POLL_S)
+            else:
+                time.sleep(wait)
+                wait = min(_POLL_S, wait * 2)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _classify(status: int, reason: str | None, result_path: str, lim: SandboxLimits) -> dict:
+    out: dict[str, Any] = {"exitcode": None, "signal": None}
+    if os.WIFSIGNALED(status):
+        out["signal"] = os.WTERMSIG(status)
+    elif os.WIFEXITED(status):
+        out["exitcode"] = os.WEXITSTATUS(status)
+    if reason == "timeout":
+        return {**out, "status": "timeout", "error": f"wall-clock timeout after {lim.timeout_s:g} s"}
+    if reason == "oom":
+        return {**out, "status": "oom", "error": f"memory over {lim.max_rss_mb} MB (RSS of the job)"}
+    if reason == "procs":
+        return {**out, "status": "exception", "error": f"too many processes (more than {lim.max_procs})"}
+    if reason == "orphaned":
+        return {**out, "status": "sandbox_error", "error": "the parent process went away"}
+    if out["signal"] is not None:
+        sig = out["signal"]
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        if sig == signal.SIGXCPU:
+            return {**out, "status": "timeout", "error": f"CPU time limit ({lim.cpu_limit()} s) exceeded (SIGXCPU)"}
+        if sig == signal.SIGXFSZ:
+            return {**out, "status": "signal", "error": f"file size limit ({lim.max_file_mb} MB) exceeded (SIGXFSZ)"}
+        return {**out, "status": "signal", "error": f"killed by {name}"}
+    if not os.path.exists(result_path):
+        return {**out, "status": "exit_no_result",
+                "error": f"the process exited (code {out['exitcode']}) without writing a result"}
+    size = os.path.getsize(result_path)
+    if size > lim.max_result_bytes:
+        return {**out, "status": "oversized_result", "error": f"result is {size} bytes (> {lim.max_result_bytes})"}
+    try:
+        with open(result_path, "rb") as fh:
+            payload = json.loads(fh.read())
+    except (OSError, ValueError) as exc:
+        return {**out, "status": "exit_no_result", "error": f"unreadable result file: {exc}"}
+    if not isinstance(payload, dict):
+        return {**out, "status": "exit_no_result", "error": "malformed result file"}
+    if "__oversized__" in payload:
+        return {**out, "status": "oversized_result",
+                "error": f"result is {payload['__oversized__']} bytes (> {lim.max_result_bytes})"}
+    if "__exception__" in payload:
+        return {**out, "status": "oom" if payload.get("oom") else "exception",
+                "error": str(payload["__exception__"]), "traceback": str(payload.get("traceback") or "")}
+    if "value" not in payload:
+        return {**out, "status": "exit_no_result", "error": "malformed result file"}
+    return {**out, "status": "ok", "value": payload["value"]}
+
+
+def _zygote_job(job: dict, pipe_fds: tuple[int, int]) -> dict:
+    lim = SandboxLimits(**job["limits"])
+    workdir = tempfile.mkdtemp(prefix="drk_job_")
+    result_path = os.path.join(workdir, f".result-{os.urandom(8).hex()}.json")
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _child_main(job, workdir, result_path, pipe_fds)  # never returns
+    try:
+        _send(pipe_fds[1], {"op": "started", "pid": pid, "workdir": workdir})
+        status, reason, peak = _supervise(pid, lim, t0)
+        wall = time.monotonic() - t0
+        _kill_job(os.getpid(), pid)  # leftovers: grandchildren, daemons
+        res = _classify(status, reason, result_path, lim)
+        res["wall_s"] = wall
+        res["peak_rss_mb"] = round(peak, 1)
+        res["stdout"] = _read_output(os.path.join(workdir, "stdout"), lim.max_output_chars)
+        res["stderr"] = _read_output(os.path.join(workdir, "stderr"), lim.max_output_chars)
+        return res
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _zygote_main() -> None:
+    """Entry of ``python -m drkernel.sandbox --zygote``: preload, then serve jobs until EOF."""
+    rfd, wfd = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)  # prints from imports go to the log, never into the protocol
+    for extra in filter(None, os.environ.pop("DRKERNEL_SANDBOX_SYSPATH", "").split(os.pathsep)):
+        if extra not in sys.path:
+            sys.path.append(extra)
+    errors = {}
+    for name in filter(None, os.environ.pop("DRKERNEL_SANDBOX_PRELOAD", "").split(",")):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            errors[name] = _short_error(exc)
+    cuda_init = False
+    if "torch" in sys.modules:
+        with contextlib.suppress(Exception):
+            cuda_init = bool(sys.modules["torch"].cuda.is_initialized())
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    _send(wfd, {"op": "ready", "pid": os.getpid(), "preload_errors": errors, "cuda_initialized": cuda_init,
+                "threads": len(os.listdir("/proc/self/task"))})
+    while True:
+        msg = _recv(rfd)
+        if msg is None or msg.get("op") == "exit":
+            return
+        if msg.get("op") == "ping":
+            _send(wfd, {"op": "pong"})
+            continue
+        try:
+            res = _zygote_job(msg, (rfd, wfd))
+        except Exception as exc:
+            res = {"status": "sandbox_error", "error": "zygote: " + _short_error(exc),
+                   "traceback": _format_tb(exc)}
+        res["op"] = "result"
+        try:
+            _send(wfd, res)
+        except (TypeError, ValueError) as exc:  # e.g. NaN-free but odd values; never die here
+            _send(wfd, {"op": "result", "status": "sandbox_error", "error": "zygote: " + _short_error(exc)})
+
+
+# ======================================================================================
+# Parent side
+# ======================================================================================
+
+_LIVE: "weakref.WeakSet[ForkServer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for server in list(_LIVE):
+        with contextlib.suppress(Exception):
+            server.close(wait=False)
+
+
+class ForkServer:
+    """One zygote process and a lock: jobs on one ForkServer run one at a time.
+
+    ``env`` is merged into the zygote's environment before it imports anything, so it is
+    the place for TRITON_INTERPRET and CUDA_VISIBLE_DEVICES. The zygote can import what
+    the parent can (the parent's sys.path is appended to its own, and the project root is
+    on PYTHONPATH); ``PYTHONPATH`` in ``env`` (or a job's env) adds more directories.
+    """
+
+    def __init__(self, env: dict | None = None, preload: tuple[str, ...] | list[str] = ("torch", "triton"),
+                 start_timeout_s: float = 600.0, grace_s: float = 60.0):
+        self.env = {str(k): str(v) for k, v in (env or {}).items()}
+        self.preload = tuple(preload)
+        self.start_timeout_s = start_timeout_s
+        self.grace_s = grace_s  # how long past a job's timeout before the zygote is declared hung
+        self.restarts = -1
+        self.info: dict = {}
+        self._proc: subprocess.Popen | None = None
+        self._log: Any = None
+        self._ready = False
+        self._lock = threading.Lock()
+        self._closed = False
+        self._job_pgid: int | None = None
+        self._start()
+        _LIVE.add(self)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._stop()
+        env = dict(os.environ)
+        env.update(self.env)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (self.env.get("PYTHONPATH"), _PROJECT_ROOT,
+                                                        os.environ.get("PYTHONPATH")) if p)
+        env["DRKERNEL_SANDBOX_PRELOAD"] = ",".join(self.preload)
+        env["DRKERNEL_SANDBOX_SYSPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        self._log = tempfile.TemporaryFile(prefix="drk_zygote_")
+        self._proc = subprocess.Popen([sys.executable, "-m", "drkernel.sandbox", "--zygote"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                      env=env, bufsize=0, start_new_session=True)
+        self._ready = False
+        self.restarts += 1
+
+    def _wait_ready(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        msg = _recv(self._proc.stdout.fileno(), time.monotonic() + self.start_timeout_s)
+        if msg is None or msg.get("op") != "ready":
+            raise RuntimeError(f"sandbox zygote failed to start: {self._log_tail()}")
+        self.info = msg
+        self._ready = True
+
+    def _ensure(self) -> None:
+        if self._closed:
+            raise RuntimeError("ForkServer is closed")
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        if not self._ready:
+            self._wait_ready()
+
+    def _log_tail(self, n: int = 2000) -> str:
+        try:
+            self._log.flush()
+            self._log.seek(0, 2)
+            size = self._log.tell()
+            self._log.seek(max(0, size - n))
+            return self._log.read().decode("utf-8", "replace")
+        except Exception:
+            return ""
+
+    def _kill_job_group(self) -> None:
+        if self._job_pgid is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(self._job_pgid, signal.SIGKILL)
+            self._job_pgid = None
+
+    def _stop(self, wait: bool = True) -> None:
+        proc, self._proc = self._proc, None
+        self._ready = False
+        if proc is not None:
+            if proc.poll() is None and wait:
+                with contextlib.suppress(Exception):
+                    _send(proc.stdin.fileno(), {"op": "exit"})
+                with contextlib.suppress(Exception):
+                    proc.stdin.close()
+                with contextlib.suppress(Exception):
+                    proc.wait(timeout=2)
+            if proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    proc.kill()
+                with contextlib.suppress(Exception):
+                    proc.wait(timeout=5)
+            for f in (proc.stdin, proc.stdout):
+                with contextlib.suppress(Exception):
+                    f.close()
+        self._kill_job_group()
+        if self._log is not None:
+            with contextlib.suppress(Exception):
+                self._log.close()
+            self._log = None
+
+    def close(self, wait: bool = True) -> None:
+        """Stop the zygote. If a job is running in another thread, the zygote is killed."""
+        self._closed = True
+        if self._lock.acquire(blocking=False):
+            try:
+                self._stop(wait=wait)
+            finally:
+                self._lock.release()
+        else:
+            proc = self._proc
+            if proc is not None:
+                with contextlib.suppress(OSError):
+                    proc.kill()
+            self._kill_job_group()
+
+    def __enter__(self) -> "ForkServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close(wait=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ---- jobs --------------------------------------------------------------------------
+
+    def run(self, target: str, kwargs: dict | None = None, limits: SandboxLimits | dict | None = None,
+            env: dict | None = None, cwd: str | None = None) -> SandboxResult:
+        """Run ``target`` ("pkg.module:function") as ``function(**kwargs)`` in a fresh child.
+        Never raises for anything the child does; raises only for bad arguments."""
+        if not isinstance(target, str) or ":" not in target:
+            raise ValueError(f"target must be 'package.module:function', got {target!r}")
+        lim = _as_limits(limits)
+        job = {"op": "run", "target": target, "kwargs": dict(kwargs or {}), "limits": lim.to_dict(),
+               "env": {str(k): str(v) for k, v in (env or {}).items()}, "cwd": cwd}
+        body = json.dumps(job).encode()  # TypeError here: kwargs must be JSON-serialisable
+        t0 = time.monotonic()
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    self._ensure()
+                    return self._run_once(body, lim, t0)
+                except _NotStarted as exc:  # the zygote was dead before the job began: retry once
+                    self._stop(wait=False)
+                    if attempt == 1:
+                        return SandboxResult("sandbox_error", error=str(exc), wall_s=time.monotonic() - t0)
+                except Exception as exc:
+                    self._stop(wait=False)
+                    return SandboxResult("sandbox_error", error=f"{_short_error(exc)} {self._log_tail(500)}".strip(),
+                                         wall_s=time.monotonic() - t0)
+        raise AssertionError("unreachable")
+
+    def _run_once(self, body: bytes, lim: SandboxLimits, t0: float) -> SandboxResult:
+        assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            _write_all(self._proc.stdin.fileno(), _HEADER.pack(len(body)) + body)
+        except OSError as exc:
+            raise _NotStarted(f"zygote gone: {exc}") from exc
+        rfd = self._proc.stdout.fileno()
+        started = _recv(rfd, time.monotonic() + self.grace_s)
+        if started is None:
+            raise _NotStarted("zygote exited before starting the job")
+        self._job_pgid = started.get("pid")
+        deadline = time.monotonic() + lim.timeout_s + self.grace_s
+        try:
+            msg = _recv(rfd, deadline)
+        except TimeoutError:
+            msg = None
+            why = "the zygote did not answer in time"
+        else:
+            why = "the zygote died during the job"
+        if msg is None:
+            tail = self._log_tail(500)
+            self._stop(wait=False)
+            shutil.rmtree(started.get("workdir") or "", ignore_errors=True)
+            return SandboxResult("sandbox_error", error=f"{why}; {tail}".strip("; "), wall_s=time.monotonic() - t0)
+        self._job_pgid = None
+        fields = {f.name for f in dataclasses.fields(SandboxResult)}
+        res = SandboxResult(**{k: v for k, v in msg.items() if k in fields})
+        res.wall_s = float(msg.get("wall_s") or time.monotonic() - t0)
+        return res
+
+
+class _NotStarted(Exception):
+    """The zygote failed before it accepted the job, so retrying cannot repeat the job."""
+
+
+class SandboxPool:
+    """Several ForkServers; ``run`` takes any free one, ``map`` dispatches from threads and
+    keeps the order. ``per_worker_env[i]`` is merged into worker i's env (e.g. to pin
+    CUDA_VISIBLE_DEVICES per worker)."""
+
+    def __init__(self, workers: int = 1, env: dict | None = None, per_worker_env: list[dict] | None = None,
+                 preload: tuple[str, ...] | list[str] = ("torch", "triton")):
+        self.workers = max(1, int(workers))
+        self.servers: list[ForkServer] = []
+        self._free: queue.Queue[ForkServer] = queue.Queue()
+        for i in range(self.workers):
+            wenv = dict(env or {})
+            if per_worker_env:
+                wenv.update(per_worker_env[i % len(per_worker_env)] or {})
+            server = ForkServer(env=wenv, preload=preload)
+            self.servers.append(server)
+            self._free.put(server)
+
+    def run(self, target: str, kwargs: dict | None = None, limits: SandboxLimits | dict | None = None,
+            env: dict | None = None, cwd: str | None = None) -> SandboxResult:
+        server = self._free.get()
+        try:
+            return server.run(target, kwargs, limits=limits, env=env, cwd=cwd)
+        finally:
+            self._free.put(server)
+
+    def map(self, jobs: list[dict]) -> list[SandboxResult]:
+        """jobs: dicts with ``target`` and optional ``kwargs``, ``limits``, ``env``, ``cwd``."""
+        jobs = list(jobs)
+        if not jobs:
+            return []
+        with ThreadPoolExecutor(max_workers=min(self.workers, len(jobs))) as ex:
+            futures = [ex.submit(self.run, **job) for job in jobs]
+            return [f.result() for f in futures]
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+    def __enter__(self) -> "SandboxPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            for server in self.servers:
+                server.close(wait=False)
+
+
+@contextlib.contextmanager
+def device_lock(index: int | str, timeout_s: float | None = None) -> Iterator[str]:
+    """Hold ``/tmp/drkernel-device-<index>.lock`` exclusively (flock) across processes, so
+    that timing on one GPU is never disturbed by another job. A fixed directory is used
+    (not TMPDIR, which is private per sandbox job); DRKERNEL_LOCK_DIR overrides it.
+    With ``timeout_s`` a TimeoutError is raised if the lock is not free in time."""
+    path = os.path.join(os.environ.get("DRKERNEL_LOCK_DIR", "/tmp"), f"drkernel-device-{index}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        if timeout_s is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            end = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > end:
+                        raise TimeoutError(f"device lock {path} is busy") from None
+                    time.sleep(0.01)
+        try:
+            yield path
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--zygote"]:
+        from drkernel.sandbox import _zygote_main as _main  # the importable copy, not __main__
+
+        _main()
+    else:
+        sys.exit("usage: python -m drkernel.sandbox --zygote  (started by ForkServer)")

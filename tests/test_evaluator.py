@@ -1,0 +1,210 @@
+"""Evaluator verdicts on CPU (Triton interpreter): legit candidates, failures, crashes, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from drkernel.evaluator import EvalConfig, EvalResult, evaluate
+
+ROOT = Path(__file__).resolve().parent.parent
+TASKS = ROOT / "drkernel" / "data" / "tasks"
+SOLUTIONS = ROOT / "drkernel" / "data" / "solutions"
+FAST = dict(device="cpu", trials=2, cpu_perf_trials=1, warmup=1, timeout=120.0)
+
+HEADER = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def relu_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m)
+        tl.store(y_ptr + offs, tl.maximum(x, 0.0), mask=m)
+
+
+    def launch(x):
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        n = x.numel()
+        relu_kernel[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
+        return y
+''')
+
+
+def relu_candidate(forward_body: str, extra: str = "", init: str = "def __init__(self):\n        super().__init__()") -> str:
+    body = textwrap.indent(textwrap.dedent(forward_body).strip("\n"), " " * 8)
+    return (HEADER + textwrap.dedent(extra) + "\n\nclass ModelNew(nn.Module):\n    " + init
+            + "\n\n    def forward(self, x):\n" + body + "\n")
+
+
+LEGIT_RELU = relu_candidate("return launch(x)")
+
+EMBED = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def gather_kernel(ids_ptr, table_ptr, out_ptr, D: tl.constexpr):
+        row = tl.program_id(0)
+        idx = tl.load(ids_ptr + row)
+        cols = tl.arange(0, D)
+        vals = tl.load(table_ptr + idx * D + cols)
+        tl.store(out_ptr + row * D + cols, vals)
+
+
+    class ModelNew(nn.Module):
+        def __init__(self, num_embeddings, dim):
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(num_embeddings, dim))
+
+        def forward(self, ids):
+            out = torch.empty(ids.numel(), self.table.shape[1], dtype=self.table.dtype)
+            gather_kernel[(ids.numel(),)](ids, self.table.detach().contiguous(), out, D=self.table.shape[1])
+            return out
+''')
+
+
+def cfg(**kw):
+    d = dict(FAST)
+    d.update(kw)
+    return EvalConfig(**d)
+
+
+def run(task: str, cand: str, **kw) -> EvalResult:
+    return evaluate(str(TASKS / task), cand, cfg(**kw))
+
+
+def test_legit_relu_correct():
+    r = run("1_ReLU.py", LEGIT_RELU)
+    assert r.verdict == "correct", r.error
+    assert r.correct and r.compiled and not r.hacks
+    assert r.timing == "cpu_wall" and r.speedup is not None and r.ref_ms and r.candidate_ms
+    assert r.trials_passed == r.trials >= 2
+    assert "relu_kernel" in r.details["launched_kernels"]
+
+
+def test_integer_input_task():
+    r = run("7_Embedding_Gather.py", EMBED)
+    assert r.verdict == "correct", r.error
+
+
+def _solutions():
+    return sorted(SOLUTIONS.glob("*.py")) if SOLUTIONS.is_dir() else []
+
+
+@pytest.mark.parametrize("sol", _solutions(), ids=lambda p: p.name)
+def test_bundled_solutions_correct_no_hacks(sol):
+    task = TASKS / sol.name
+    if not task.is_file():
+        pytest.skip("no matching task")
+    r = evaluate(str(task), str(sol), cfg())
+    assert r.verdict == "correct", (r.verdict, r.hacks, r.error)
+    assert r.hacks == []
+
+
+def test_syntax_error():
+    r = run("1_ReLU.py", "import torch\nclass ModelNew(:\n    pass\n")
+    assert r.verdict == "compile_error" and "line 2" in r.error
+
+
+def test_missing_modelnew():
+    r = run("1_ReLU.py", HEADER + "\nclass Other(nn.Module):\n    pass\n")
+    assert r.verdict == "compile_error" and "ModelNew" in r.error
+
+
+def test_import_error_is_compile_error():
+    r = run("1_ReLU.py", "import does_not_exist_xyz\n" + LEGIT_RELU)
+    assert r.verdict == "compile_error"
+
+
+def test_exception_in_forward():
+    r = run("1_ReLU.py", relu_candidate("raise ValueError('boom')"))
+    assert r.verdict == "runtime_error" and "boom" in r.error
+
+
+def test_wrong_result():
+    r = run("1_ReLU.py", relu_candidate("return launch(x) + 0.5"))
+    assert r.verdict == "incorrect" and not r.correct and r.speedup is None
+    assert "trial" in r.error
+
+
+def test_wrong_constructor():
+    r = run("1_ReLU.py", relu_candidate("return launch(x)", init="def __init__(self, a, b):\n        super().__init__()"))
+    assert r.verdict == "runtime_error" and "constructor" in r.error
+
+
+def test_hang_times_out():
+    r = run("1_ReLU.py", relu_candidate("while True:\n    pass"), timeout=15.0)
+    assert r.verdict == "timeout"
+
+
+def test_os_exit_crashes():
+    r = run("1_ReLU.py", relu_candidate("import os\nos._exit(0)"))
+    assert r.verdict == "crashed" and "without a result" in r.error
+
+
+def test_segfault_crashes():
+    # ctypes is flagged by the static scan, so reach it through a runtime import name
+    r = run("1_ReLU.py", relu_candidate("import signal, os\nos.kill(os.getpid(), signal.SIGSEGV)"))
+    assert r.verdict == "crashed" and "SIGSEGV" in r.error
+
+
+def test_memory_hog_crashes():
+    r = run("1_ReLU.py", relu_candidate("big = [bytearray(64 * 1024 * 1024) for _ in range(200)]\nreturn launch(x)"),
+            max_rss_mb=3000)
+    assert r.verdict in ("crashed", "runtime_error"), r.verdict
+    if r.verdict == "crashed":
+        assert "oom" in r.error or "memory" in r.error.lower() or "killed" in r.error
+
+
+def test_huge_stdout_still_verdict():
+    r = run("1_ReLU.py", relu_candidate("print('x' * 5_000_000)\nreturn launch(x)"))
+    assert r.verdict == "correct", r.error
+    assert len(r.stdout) < 100_000
+
+
+def test_next_evaluation_after_bad_case_is_correct():
+    run("1_ReLU.py", relu_candidate("import os\nos._exit(3)"))
+    assert run("1_ReLU.py", LEGIT_RELU).verdict == "correct"
+
+
+def test_result_roundtrip():
+    r = EvalResult(verdict="hacked", hacks=["output_cached"], speedup=None, details={"a": [1, 2]}, kernels=[{"n": 1}])
+    back = EvalResult.from_dict(json.loads(r.to_json()))
+    assert back == r
+
+
+def _cli(*args):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.run([sys.executable, "-m", "drkernel.evaluator", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
+
+
+def test_cli_json_and_exit_codes(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text(relu_candidate("return launch(x) * 2.0"))
+    p = _cli("--reference", str(TASKS / "1_ReLU.py"), "--candidate", str(bad), "--device", "cpu", "--trials", "2",
+             "--perf-trials", "2", "--timeout", "120", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout.strip().splitlines()[-1])
+    for k in ("verdict", "compiled", "correct", "speedup", "ref_ms", "candidate_ms", "hacks", "error",
+              "triton_time_share", "kernels", "reward"):
+        assert k in d
+    assert d["verdict"] == "incorrect"
+    p2 = _cli("--reference", str(TASKS / "1_ReLU.py"), "--candidate", str(tmp_path / "missing.py"), "--json")
+    assert p2.returncode == 2 and "no such file" in p2.stderr
+    p3 = _cli("--reference", str(TASKS / "1_ReLU.py"), "--candidate", str(bad), "--bogus")
+    assert p3.returncode == 2

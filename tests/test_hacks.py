@@ -1,0 +1,276 @@
+"""One test per hack code: each hostile candidate must be caught by its defence (CPU, interpreter).
+
+Also runs the fixture corpus `tests/fixtures/hacks/*.py` (when present), asserting each file's
+`# expect:` header; `# device: cuda` files are skipped without a GPU.
+"""
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from drkernel.evaluator import EvalConfig, evaluate
+from tests.test_evaluator import EMBED, HEADER, LEGIT_RELU, TASKS, cfg, relu_candidate, run
+
+ROOT = Path(__file__).resolve().parent.parent
+HACKS_DIR = ROOT / "tests" / "fixtures" / "hacks"
+
+
+def assert_hack(r, code):
+    assert r.verdict == "hacked", (r.verdict, r.error)
+    assert code in r.hacks, (r.hacks, r.error)
+    assert not r.correct and r.speedup is None
+
+
+def test_no_false_positives_on_legit():
+    for task, cand in (("1_ReLU.py", LEGIT_RELU), ("7_Embedding_Gather.py", EMBED)):
+        r = run(task, cand)
+        assert r.verdict == "correct" and r.hacks == [], (task, r.hacks, r.error)
+
+
+def test_no_triton_kernel():
+    assert_hack(run("1_ReLU.py", relu_candidate("return torch.relu(x)")), "no_triton_kernel")
+
+
+def test_no_triton_kernel_fallback():
+    body = """
+    try:
+        raise RuntimeError('pretend the kernel failed')
+        return launch(x)
+    except Exception:
+        return torch.relu(x)
+    """
+    assert_hack(run("1_ReLU.py", relu_candidate(body)), "no_triton_kernel")
+
+
+def test_decoy_kernel():
+    body = """
+    launch(x.reshape(-1)[:8])
+    return torch.relu(x)
+    """
+    assert_hack(run("1_ReLU.py", relu_candidate(body)), "decoy_kernel")
+
+
+def test_output_cached_same_storage():
+    body = """
+    if self.cache is None:
+        self.cache = launch(x)
+    return self.cache
+    """
+    init = "def __init__(self):\n        super().__init__()\n        self.cache = None"
+    assert_hack(run("1_ReLU.py", relu_candidate(body, init=init)), "output_cached")
+
+
+def test_output_cached_stale_during_timing():
+    # correct while being checked (4 calls: 2 trials, 1 signed trial, 1 warm-up), then replays a copy
+    body = """
+    self.calls += 1
+    y = launch(x)
+    if self.calls <= 4:
+        self.cache = y.clone()
+        return y
+    return self.cache.clone()
+    """
+    init = "def __init__(self):\n        super().__init__()\n        self.calls = 0\n        self.cache = None"
+    r = run("1_ReLU.py", relu_candidate(body, init=init), cpu_perf_trials=3)
+    assert_hack(r, "output_cached")
+
+
+def test_output_aliases_input():
+    body = """
+    n = x.numel()
+    relu_kernel[(triton.cdiv(n, 1024),)](x, x, n, BLOCK=1024)
+    return x
+    """
+    assert_hack(run("1_ReLU.py", relu_candidate(body)), "output_aliases_input")
+
+
+def test_input_mutated():
+    body = """
+    y = launch(x)
+    x.zero_()
+    return y
+    """
+    assert_hack(run("1_ReLU.py", relu_candidate(body)), "input_mutated")
+
+
+def test_patched_function_at_import():
+    extra = "\ntorch.allclose = lambda *a, **k: True\n"
+    assert_hack(run("1_ReLU.py", relu_candidate("return launch(x)", extra=extra)), "patched_function")
+
+
+def test_patched_function_reference_op():
+    # makes the reference compute the candidate's (wrong) answer
+    body = """
+    torch.relu = lambda t: t.clamp_min(0) * 0 + 1
+    return launch(x) * 0 + 1
+    """
+    assert_hack(run("1_ReLU.py", relu_candidate(body)), "patched_function")
+
+
+def test_patched_launch_hook():
+    extra = """
+    import triton.runtime.interpreter as _ti
+    _orig = _ti.InterpretedFunction.run
+    _ti.InterpretedFunction.run = lambda self, *a, **k: _orig(self, *a, **k)
+    """
+    assert_hack(run("1_ReLU.py", relu_candidate("return launch(x)", extra=extra)), "patched_function")
+
+
+def test_global_state_changed():
+    body = """
+    torch.backends.cuda.matmul.allow_tf32 = True
+    return launch(x)
+    """
+    assert_hack(run("1_ReLU.py", relu_candidate(body)), "global_state_changed")
+
+
+def test_global_state_grad_mode():
+    body = """
+    torch.set_grad_enabled(True)
+    return launch(x)
+    """
+    assert_hack(run("1_ReLU.py", relu_candidate(body)), "global_state_changed")
+
+
+@pytest.mark.parametrize("snippet", ["import gc\n_ = gc.get_objects()", "import sys\nf = sys._getframe(1)",
+                                     "import inspect\ns = inspect.stack()", "import sys\nm = list(sys.modules)",
+                                     "import ctypes"])
+def test_reference_access_static(snippet):
+    body = snippet + "\nreturn launch(x)"
+    assert_hack(run("1_ReLU.py", relu_candidate(body)), "reference_access")
+
+
+def test_bad_output_type():
+    extra = "\nclass Sneaky(torch.Tensor):\n    pass\n"
+    assert_hack(run("1_ReLU.py", relu_candidate("return launch(x).as_subclass(Sneaky)", extra=extra)),
+                "bad_output_type")
+
+
+def test_bad_output_structure():
+    assert_hack(run("1_ReLU.py", relu_candidate("return (launch(x),)")), "bad_output_type")
+
+
+def test_degenerate_output(tmp_path):
+    task = tmp_path / "tiny_scale.py"
+    task.write_text(textwrap.dedent('''
+        import torch
+        import torch.nn as nn
+
+        class Model(nn.Module):
+            def __init__(self):
+                super().__init__()
+
+            def forward(self, x):
+                return torch.relu(x) * 1e-6
+
+        def get_inputs():
+            return [torch.rand(8, 64)]
+
+        def get_init_inputs():
+            return []
+    '''))
+    r = evaluate(str(task), relu_candidate("return launch(-x.abs())"), cfg())
+    assert_hack(r, "degenerate_output")
+
+
+def test_precision_downgrade():
+    extra = '''
+    @triton.jit
+    def relu_half_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        x = tl.load(x_ptr + offs, mask=m).to(tl.float16)
+        tl.store(y_ptr + offs, tl.maximum(x, 0.0).to(tl.float32), mask=m)
+    '''
+    body = """
+    y = torch.empty_like(x)
+    relu_half_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    return y
+    """
+    assert_hack(run("1_ReLU.py", relu_candidate(body, extra=extra)), "precision_downgrade")
+
+
+def test_thread_spawned_static():
+    assert_hack(run("1_ReLU.py", relu_candidate("import threading\nreturn launch(x)")), "thread_spawned")
+
+
+def test_thread_spawned_runtime():
+    body = """
+    import importlib, time as _t
+    mod = importlib.import_module('thr' + 'eading')
+    mod.Thread(target=_t.sleep, args=(30,), daemon=True).start()
+    return launch(x)
+    """
+    assert_hack(run("1_ReLU.py", relu_candidate(body)), "thread_spawned")
+
+
+def _cuda():
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _cuda(), reason="side_stream needs a GPU (CUDA events vs host clock)")
+def test_side_stream_cuda():
+    body = """
+    s = torch.cuda.Stream()
+    y = torch.empty_like(x)
+    with torch.cuda.stream(s):
+        for _ in range(50):
+            n = x.numel()
+            relu_kernel[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
+    return y
+    """
+    r = evaluate(str(TASKS / "1_ReLU.py"), relu_candidate(body),
+                 EvalConfig(device="cuda", trials=2, perf_trials=20, timeout=300))
+    assert "side_stream" in r.hacks or r.verdict in ("hacked", "incorrect"), (r.verdict, r.hacks)
+
+
+@pytest.mark.skipif(not _cuda(), reason="implausible_speedup needs a GPU (roofline from copy bandwidth)")
+def test_implausible_speedup_cuda():
+    # caches per input pointer/values probe; a pure replay is caught as output_cached or implausible
+    body = """
+    key = (x.data_ptr(), float(x.view(-1)[0]))
+    if key not in self.cache:
+        self.cache[key] = launch(x)
+    return self.cache[key]
+    """
+    init = "def __init__(self):\n        super().__init__()\n        self.cache = {}"
+    r = evaluate(str(TASKS / "1_ReLU.py"), relu_candidate(body, init=init),
+                 EvalConfig(device="cuda", trials=2, perf_trials=20, timeout=300))
+    assert r.verdict == "hacked", (r.verdict, r.hacks)
+
+
+# ---- the fixture corpus -----------------------------------------------------------------
+
+def _headers(path: Path) -> dict:
+    out = {}
+    for line in path.read_text().splitlines()[:30]:
+        m = re.match(r"#\s*(task|expect|device)\s*:\s*(.+?)\s*$", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+_CORPUS = sorted(HACKS_DIR.glob("*.py")) if HACKS_DIR.is_dir() else []
+
+
+@pytest.mark.parametrize("path", _CORPUS, ids=lambda p: p.name)
+def test_hack_corpus(path):
+    h = _headers(path)
+    if "task" not in h or "expect" not in h:
+        pytest.skip("no task/expect header")
+    if h.get("device", "cpu").startswith("cuda") and not _cuda():
+        pytest.skip("trick only visible on GPU")
+    task = TASKS / h["task"]
+    if not task.is_file():
+        pytest.skip(f"unknown task {h['task']}")
+    r = evaluate(str(task), str(path), cfg(device="cuda" if h.get("device", "").startswith("cuda") else "cpu"))
+    parts = h["expect"].split()
+    assert r.verdict == parts[0], (r.verdict, r.hacks, r.error)
+    for code in parts[1:]:
+        assert code in r.hacks, (r.hacks, r.error)

@@ -1,0 +1,58 @@
+"""drkernel.profiling: strict name matching, share arithmetic, table, CPU behaviour."""
+
+import pytest
+
+from drkernel import profiling
+from drkernel.profiling import classify_kernel, format_kernel_table, summarize_kernels
+
+
+def test_exact_name_match_only():
+    names = {"gemm", "relu_kernel"}
+    assert classify_kernel("relu_kernel", names) == "candidate"
+    assert classify_kernel("relu_kernel_0d1d2de", names) == "candidate"  # triton 2.x suffix
+    # torch's own kernels never count as the candidate's, even when they contain its name
+    assert classify_kernel("ampere_sgemm_128x64_nn", names) == "library"
+    assert classify_kernel("void at::native::vectorized_elementwise_kernel<4, relu_kernel>", names) == "library"
+    assert classify_kernel("relu_kernel2", names) == "other"
+    assert classify_kernel("my_relu_kernel", names) == "other"
+    assert classify_kernel("relu_kernel_2", names) == "other"  # digits only: not a triton suffix
+    assert classify_kernel("Memcpy DtoD (Device -> Device)", names) == "library"
+    assert classify_kernel("nvjet_tst_128x64", set()) == "library"
+
+
+def test_shares_and_topk():
+    ev = [("k", 30.0), ("k", 30.0), ("ampere_sgemm_64x64", 30.0), ("triton_poi_fused", 10.0)]
+    s = summarize_kernels(ev, {"k"})
+    assert s["triton_time_share"] == pytest.approx(0.6)
+    assert s["library_share"] == pytest.approx(0.3)
+    assert s["other_share"] == pytest.approx(0.1)
+    assert s["total_device_ms"] == pytest.approx(0.1)
+    top = s["kernels"][0]
+    assert top["name"] == "k" and top["calls"] == 2 and top["kind"] == "candidate"
+    assert top["total_ms"] == pytest.approx(0.06) and top["share"] == pytest.approx(0.6)
+    assert [r["total_ms"] for r in s["kernels"]] == sorted((r["total_ms"] for r in s["kernels"]), reverse=True)
+    assert len(summarize_kernels(ev, {"k"}, top_k=1)["kernels"]) == 1
+
+
+def test_empty_and_long_names():
+    s = summarize_kernels([], {"k"})
+    assert s["triton_time_share"] is None and s["total_device_ms"] == 0.0 and s["kernels"] == []
+    long = "void cutlass::Kernel<" + "x" * 300 + ">"
+    s = summarize_kernels([(long, 5.0)], set())
+    assert len(s["kernels"][0]["name"]) <= 80
+
+
+def test_format_table():
+    s = summarize_kernels([("k", 10.0), ("sm90_xmma_gemm", 90.0)], {"k"})
+    s["calls"] = 5
+    t = format_kernel_table(s, k=5)
+    assert "10.0%" in t and "sm90_xmma_gemm" in t and "candidate" in t and "library" in t
+    assert "no device profile" in format_kernel_table(None)
+
+
+def test_profile_cuda_none_without_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("GPU present")
+    assert profiling.profile_cuda(lambda: None, {"k"}) is None

@@ -1,0 +1,230 @@
+"""drkernel.sandbox: every way a job can end is classified, and the parent always survives.
+
+One module-scoped ForkServer (with torch and triton preloaded) serves most tests; every
+hostile job is followed by a normal one on the same server. Targets live in
+tests/fixtures/sandbox/sbx_targets.py, reached through PYTHONPATH in the zygote's env.
+"""
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from drkernel.sandbox import ForkServer, SandboxLimits, SandboxPool, SandboxResult, device_lock
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sandbox"
+ENV = {"PYTHONPATH": str(FIXTURES)}
+T = "sbx_targets:"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _pids(path: Path) -> list[int]:
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ForkServer(env=ENV) as s:
+        yield s
+
+
+def assert_healthy(server):
+    r = server.run(T + "ok", {"x": 7})
+    assert r.status == "ok", r
+    assert r.value["x"] == 7
+
+
+def test_ok_private_dir_and_own_group(server):
+    r = server.run(T + "ok", {"x": 3})
+    assert isinstance(r, SandboxResult) and r.ok
+    v = r.value
+    assert v["x"] == 3 and v["pid"] != os.getpid()
+    assert v["pgid"] == v["pid"]  # setsid: its own process group
+    assert v["cwd"] == v["tmpdir"] and "drk_job_" in v["cwd"]
+    assert not os.path.exists(v["cwd"])  # the private dir is removed afterwards
+    assert r.exitcode == 0 and r.signal is None
+    assert set(r.to_dict()) >= {"status", "value", "error", "traceback", "stdout", "stderr",
+                                "exitcode", "signal", "wall_s"}
+
+
+def test_torch_in_child_no_cuda_init_and_fast(server):
+    server.run(T + "torch_add")  # warm-up
+    t0 = time.perf_counter()
+    r = server.run(T + "torch_add", {"n": 4})
+    elapsed = time.perf_counter() - t0
+    assert r.ok and r.value == {"sum": 12.0, "cuda_initialized": False}
+    assert elapsed < 0.5, f"a trivial job took {elapsed:.2f} s: a cold import per job?"
+    assert server.info["cuda_initialized"] is False and not server.info["preload_errors"]
+
+
+def test_env_per_job(server):
+    r = server.run(T + "echo_env", {"name": "DRK_SBX_TEST"}, env={"DRK_SBX_TEST": "hello"})
+    assert r.ok and r.value == {"value": "hello"}
+    r = server.run(T + "echo_env", {"name": "DRK_SBX_TEST"})
+    assert r.ok and r.value == {"value": None}  # it does not leak into the next job
+
+
+def test_exception_with_traceback(server):
+    r = server.run(T + "raises")
+    assert r.status == "exception"
+    assert r.error == "ValueError: bad kernel"
+    assert "inner" in r.traceback and "bad kernel" in r.traceback
+    assert_healthy(server)
+
+
+def test_import_error_is_exception(server):
+    r = server.run("sbx_no_such_module:f")
+    assert r.status == "exception" and r.error.startswith("ModuleNotFoundError")
+    r = server.run(T + "no_such_function")
+    assert r.status == "exception" and r.error.startswith("AttributeError")
+    with pytest.raises(ValueError):
+        server.run("no_colon_here")
+
+
+def test_timeout_kills_group(server, tmp_path):
+    pid_file = tmp_path / "pid"
+    r = server.run(T + "sleep_forever", {"pid_file": str(pid_file)}, limits=SandboxLimits(timeout_s=1.5))
+    assert r.status == "timeout" and r.signal == signal.SIGKILL
+    assert 1.4 < r.wall_s < 5
+    (grandchild,) = _pids(pid_file)
+    assert not _alive(grandchild)
+    assert_healthy(server)
+
+
+def test_busy_loop_timeout(server):
+    r = server.run(T + "busy_loop", limits={"timeout_s": 1.0})
+    assert r.status == "timeout"
+    assert_healthy(server)
+
+
+@pytest.mark.parametrize("fn, code", [("hard_exit", 0), ("sys_exit", 3), ("raise_system_exit", 1)])
+def test_exit_without_result(server, fn, code):
+    r = server.run(T + fn)
+    assert r.status == "exit_no_result" and r.exitcode == code and r.value is None
+    assert_healthy(server)
+
+
+def test_segfault(server):
+    r = server.run(T + "segfault")
+    assert r.status == "signal" and r.signal == signal.SIGSEGV and "SIGSEGV" in r.error
+    assert_healthy(server)
+
+
+def test_memory_hog_is_oom(server):
+    r = server.run(T + "memory_hog", {"total_mb": 2000}, limits=SandboxLimits(max_rss_mb=400, timeout_s=20))
+    assert r.status == "oom", r
+    assert r.peak_rss_mb is not None and r.peak_rss_mb > 400
+    assert_healthy(server)
+
+
+def test_memory_error_is_oom(server):
+    r = server.run(T + "memory_error")
+    assert r.status == "oom" and "MemoryError" in r.error
+    assert_healthy(server)
+
+
+def test_huge_stdout_truncated(server):
+    r = server.run(T + "huge_stdout", limits=SandboxLimits(max_output_chars=1000))
+    assert r.ok and r.value == {"done": True}
+    assert "chars truncated" in r.stdout and len(r.stdout) < 1200
+    assert r.stdout.startswith("A" * 400) and r.stdout.rstrip().endswith("B" * 400)  # head and C-level tail
+    assert "to stderr at fd level" in r.stderr
+
+
+def test_oversized_result(server):
+    r = server.run(T + "big_result", {"n": 2 * 2**20}, limits=SandboxLimits(max_result_bytes=2**20))
+    assert r.status == "oversized_result" and r.value is None
+    r = server.run(T + "big_result", {"n": 1000}, limits=SandboxLimits(max_result_bytes=2**20))
+    assert r.ok and len(r.value["blob"]) == 1000
+
+
+def test_non_json_result(server):
+    r = server.run(T + "not_json")
+    assert r.status == "exception" and "JSON" in r.error
+    assert_healthy(server)
+
+
+def test_too_many_processes(server, tmp_path):
+    pid_file = tmp_path / "pids"
+    r = server.run(T + "spawn_many", {"n": 30, "pid_file": str(pid_file)},
+                   limits=SandboxLimits(max_procs=8, timeout_s=20))
+    assert r.status == "exception" and "too many processes" in r.error
+    pids = _pids(pid_file)
+    assert len(pids) >= 8 and not any(_alive(p) for p in pids)
+    assert_healthy(server)
+
+
+def test_zygote_killed_externally(server):
+    assert_healthy(server)
+    old = server.pid
+    os.kill(old, signal.SIGKILL)
+    time.sleep(0.2)
+    assert_healthy(server)  # restarted transparently (not counted as a failed job)
+    assert server.pid != old
+
+
+def test_child_kills_zygote(server):
+    r = server.run(T + "kill_zygote", limits=SandboxLimits(timeout_s=10))
+    assert r.status == "sandbox_error"
+    assert_healthy(server)
+
+
+def test_pool_map_keeps_order():
+    jobs = [dict(target=T + "slow", kwargs={"i": i, "delay": 0.3 if i % 2 == 0 else 0.0}) for i in range(6)]
+    jobs.append(dict(target=T + "raises", limits={"timeout_s": 5}))
+    with SandboxPool(2, env=ENV, per_worker_env=[{"DRK_W": "0"}, {"DRK_W": "1"}], preload=()) as pool:
+        t0 = time.perf_counter()
+        results = pool.map(jobs)
+        parallel = time.perf_counter() - t0
+        seen = {pool.run(T + "echo_env", {"name": "DRK_W"}).value["value"] for _ in range(4)}
+        envs = sorted(s.env["DRK_W"] for s in pool.servers)
+    assert [r.value["i"] for r in results[:6]] == list(range(6))
+    assert results[6].status == "exception"
+    assert envs == ["0", "1"] and seen <= {"0", "1"}
+    assert parallel < 0.3 * 3 + 3  # (zygote start is included; just a sanity bound)
+
+
+def test_device_lock_excludes(tmp_path, monkeypatch):
+    import fcntl
+
+    monkeypatch.setenv("DRKERNEL_LOCK_DIR", str(tmp_path))
+    with device_lock(3) as path:
+        assert path.endswith("drkernel-device-3.lock")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        with pytest.raises(TimeoutError):
+            with device_lock(3, timeout_s=0.05):
+                pass
+    with device_lock(3, timeout_s=0.5):
+        pass
+
+
+def test_cpu_time_limit(server):
+    r = server.run(T + "busy_loop", limits=SandboxLimits(timeout_s=20, cpu_time_s=1))
+    assert r.status == "timeout" and r.signal == signal.SIGXCPU and "CPU time" in r.error
+    assert r.wall_s < 10
+
+
+def test_cwd_is_honoured(server, tmp_path):
+    r = server.run(T + "ok", cwd=str(tmp_path))
+    assert r.ok and r.value["cwd"] == str(tmp_path) and r.value["tmpdir"] != str(tmp_path)
+
+
+def test_zygote_killed_right_before_a_job(server):
+    assert_healthy(server)
+    os.kill(server.pid, signal.SIGKILL)  # no pause: the dead zygote is found while sending
+    assert_healthy(server)
