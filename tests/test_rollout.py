@@ -1,0 +1,113 @@
+import pytest
+import torch
+
+from drkernel.generation import GenerationConfig, GenOutput, generate
+from drkernel.prompts import feedback_message
+from drkernel.rollout import RolloutConfig, rollout, rollout_stats, to_training_batch
+from drkernel.tasks import load_bundled
+
+CODE_REPLY = "Here it is.\n```python\nclass ModelNew(nn.Module):\n    pass\n```\n"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+class FakeEvaluator:
+    """Correct with speedup 1.5 for any code; records each call's batch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, pairs):
+        self.calls.append(list(pairs))
+        return [{"verdict": "correct", "compiled": True, "correct": True, "speedup": 1.5,
+                 "ref_ms": 1.5, "candidate_ms": 1.0, "hacks": [], "error": "",
+                 "triton_time_share": 0.9,
+                 "kernels": [{"name": "my_kernel", "kind": "triton", "calls": 1, "total_ms": 0.9, "share": 0.9}]}
+                for _ in pairs]
+
+
+def code_for_even_rows(tokenizer):
+    """Real tiny-model generation, with even rows' responses replaced by a code answer."""
+    code_ids = tokenizer(CODE_REPLY, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+    def gen(model, tok, prompts, cfg):
+        outs = generate(model, tok, prompts, cfg)
+        return [GenOutput(code_ids, [0.0] * len(code_ids), True) if i % 2 == 0 else o
+                for i, o in enumerate(outs)]
+
+    return gen
+
+
+def _cfg():
+    return RolloutConfig(num_generations=2, num_turns=2, max_prompt_tokens=8192,
+                         generation=GenerationConfig(max_new_tokens=12, backend="static", seed=0))
+
+
+def test_rollout_shapes_groups_history(model, tiny_tokenizer):
+    tasks = load_bundled()[:2]
+    ev = FakeEvaluator()
+    reward = lambda r: 1.0 + float(r.get("speedup") or 0.0) if r.get("correct") else -1.0
+    trajs = rollout(model, tiny_tokenizer, tasks, ev, _cfg(), reward_fn=reward,
+                    generator=code_for_even_rows(tiny_tokenizer))
+    assert len(trajs) == 4 and all(len(t) == 2 for t in trajs)
+    assert [t[0].group_id for t in trajs] == [0, 0, 1, 1]
+    assert [t[0].task_key for t in trajs] == [tasks[0].key] * 2 + [tasks[1].key] * 2
+    assert [t[0].traj_id for t in trajs] == [0, 1, 2, 3]
+    assert [s.turn for s in trajs[0]] == [1, 2]
+    # the evaluator gets each turn's candidates in one call; no-code rows never reach it
+    assert len(ev.calls) == 2 and all(len(c) == 2 for c in ev.calls)
+    assert [task.key for task, _ in ev.calls[0]] == [tasks[0].key, tasks[1].key]
+    for b, traj in enumerate(trajs):
+        for s in traj:
+            assert len(s.response_ids) == len(s.rollout_logprobs) > 0
+            if b % 2 == 0:
+                assert s.result["verdict"] == "correct" and s.reward == 2.5 and "ModelNew" in s.code
+            else:
+                assert s.code is None and s.result["verdict"] == "format_error" and s.reward == -1.0
+        # history grows: turn 2's prompt holds turn 1's response and feedback
+        t1, t2 = traj
+        assert len(t2.prompt_ids) > len(t1.prompt_ids)
+        prompt2 = tiny_tokenizer.decode(t2.prompt_ids)
+        assert feedback_message(t1.result, 1) in prompt2
+        assert t1.response_text in prompt2
+
+    batch = to_training_batch(trajs)
+    assert batch["rewards"].shape == (4, 2) and batch["turn_mask"].shape == (4, 2)
+    assert batch["turn_mask"].all() and batch["group_ids"].tolist() == [0, 0, 1, 1]
+    assert batch["rewards"][0].tolist() == [2.5, 2.5] and batch["rewards"][1].tolist() == [-1.0, -1.0]
+    assert len(batch["samples"]) == 8 and batch["index"][3] == (1, 1)
+    assert batch["samples"][3] is trajs[1][1]
+
+    stats = rollout_stats(trajs)
+    assert stats["turn1/correct"] == 0.5 and stats["turn2/format_error"] == 0.5
+    assert stats["all/speedup"] == 1.5 and stats["all/fast_1"] == 0.5
+    assert abs(stats["all/triton_share"] - 0.9) < 1e-9
+
+
+def test_rollout_plain_generation_and_prs(model, tiny_tokenizer):
+    """Tiny-model text has no code: every turn is a format error and the evaluator is idle."""
+    tasks = load_bundled()[:1]
+    ev = FakeEvaluator()
+    cfg = _cfg()
+    cfg.num_turns = 1
+    trajs = rollout(model, tiny_tokenizer, tasks, ev, cfg, reward_fn=lambda r: 0.0,
+                    prs_fn=lambda r: False)
+    assert len(trajs) == 2 and ev.calls == []
+    assert all(s.result["verdict"] == "format_error" and not s.prs_keep for t in trajs for s in t)
+    batch = to_training_batch(trajs)
+    assert batch["rewards"].shape == (2, 1) and not batch["prs_mask"].any()
+
+
+def test_default_reward_uses_rewards_module():
+    from drkernel.rollout import default_reward_fn
+
+    fn = default_reward_fn()
+    good = fn({"verdict": "correct", "correct": True, "compiled": True, "speedup": 2.0,
+               "triton_time_share": 1.0, "hacks": []})
+    bad = fn({"verdict": "format_error", "correct": False, "compiled": False})
+    assert isinstance(good, float) and good > bad
