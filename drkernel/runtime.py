@@ -1,0 +1,207 @@
+"""What every training stage shares: the Accelerator, metrics logging, checkpoints.
+
+RL (`drkernel.trainer`) and SFT (`drkernel.sft`) both run under one `accelerate.Accelerator`
+and leave the same things behind in `output_dir`:
+
+    metrics.jsonl                 one JSON object per optimiser step (rank 0 writes it)
+    logs/                         the Accelerate trackers' files (TensorBoard by default)
+    checkpoint-<step>/            accelerator.save_state (model, optimizer, scheduler, RNG of every
+                                  rank) + trainer_state.json (step, data position, ...)
+                                  + model/ (save_pretrained: full weights or the LoRA adapter,
+                                  and the tokenizer), so `--model <dir>/checkpoint-N/model`
+                                  starts the next stage from it
+    final/                        the last model, same layout as checkpoint-N/model
+
+Resuming (`--resume_from auto|<checkpoint dir>`) restores all of it; the caller then skips
+the data it already consumed, using the position stored in trainer_state.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+TRAINER_STATE = "trainer_state.json"
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """Fields both stages take (RL's TrainConfig and SFTConfig extend this)."""
+
+    model: str = "smollm2"  # path, hub id, .gguf file, adapter dir, or "smollm2" (offline default)
+    tokenizer: str | None = None  # defaults to `model`
+    output_dir: str = "runs/drkernel"
+    max_steps: int = 2
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    warmup_steps: int = 0
+    lr_scheduler: str = "constant_with_warmup"  # any transformers.get_scheduler name
+    max_grad_norm: float = 1.0
+    gradient_accumulation_steps: int = 1
+    mixed_precision: str = "no"  # "no" | "bf16" | "fp16" (Accelerate)
+    dtype: str = "auto"  # weights dtype at load: auto | bf16 | fp32 | fp16
+    gradient_checkpointing: bool = False
+    lora_r: int = 0  # > 0 trains a LoRA adapter through peft
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"
+    seed: int = 0
+    save_steps: int = 1  # checkpoint every N steps (0: only at the end)
+    save_total_limit: int = 0  # keep the newest N checkpoints (0: keep all)
+    resume_from: str | None = None  # "auto" (newest in output_dir) or a checkpoint dir
+    log_with: str = "tensorboard"  # Accelerate tracker name(s), comma-separated; "none" for none
+    project_name: str = "drkernel"
+
+
+def make_accelerator(cfg: RunConfig, config_dict: dict[str, Any] | None = None):
+    """An Accelerator writing its trackers under `<output_dir>/logs`; trackers degrade to none
+    with a warning when their package is missing (a tracker should never stop a run)."""
+    from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration, set_seed
+
+    out = Path(cfg.output_dir)
+    trackers = [t.strip() for t in (cfg.log_with or "").split(",") if t.strip() and t.strip() != "none"]
+    usable = []
+    for t in trackers:
+        if t == "tensorboard":
+            try:
+                import torch.utils.tensorboard  # noqa: F401
+            except Exception as exc:  # pragma: no cover - depends on the install
+                print(f"[drkernel] tensorboard unavailable ({exc}); logging to metrics.jsonl only")
+                continue
+        usable.append(t)
+    acc = Accelerator(
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        mixed_precision=cfg.mixed_precision,
+        log_with=usable or None,
+        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
+    )
+    set_seed(cfg.seed, device_specific=True)
+    if usable:
+        acc.init_trackers(cfg.project_name, config=_flat_scalars(config_dict or dataclasses.asdict(cfg)))
+    return acc
+
+
+def _flat_scalars(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Trackers (TensorBoard hparams) accept only scalars and strings."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat_scalars(v, key + "."))
+        elif isinstance(v, (int, float, str, bool)):
+            out[key] = v
+        elif v is not None:
+            out[key] = str(v)
+    return out
+
+
+class MetricsLogger:
+    """`log(metrics, step)`: to the trackers and as one line of `<output_dir>/metrics.jsonl`.
+
+    Non-finite floats become null in the JSONL (strict JSON), and only numbers go to trackers.
+    """
+
+    def __init__(self, accelerator, output_dir: str | os.PathLike):
+        self.acc = accelerator
+        self.path = Path(output_dir) / "metrics.jsonl"
+        if self.acc.is_main_process:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        row = {"step": int(step)}
+        row.update({k: _json_value(v) for k, v in metrics.items() if k != "step"})
+        numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.acc.trackers:
+            self.acc.log(numeric, step=int(step))
+        if self.acc.is_main_process:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        if self.acc.trackers:
+            self.acc.end_training()
+
+
+def _json_value(v: Any) -> Any:
+    if hasattr(v, "item") and callable(v.item):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first (a checkpoint without its
+    trainer_state.json was interrupted while saving and is ignored)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir()
+             if (m := _CKPT.match(p.name)) and (p / TRAINER_STATE).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(resume_from: str | None, output_dir: str | os.PathLike) -> Path | None:
+    """`None` → fresh run; "auto"/"latest" → newest checkpoint in output_dir (or fresh);
+    a path → that checkpoint, which must exist."""
+    if not resume_from:
+        return None
+    if resume_from in ("auto", "latest"):
+        found = checkpoints(output_dir)
+        return found[-1] if found else None
+    path = Path(resume_from)
+    if not (path / TRAINER_STATE).is_file():
+        raise FileNotFoundError(f"--resume_from {resume_from}: not a checkpoint (no {TRAINER_STATE})")
+    return path
+
+
+def unwrap(accelerator, model):
+    return accelerator.unwrap_model(model)
+
+
+def save_model(accelerator, model, tokenizer, directory: str | os.PathLike) -> None:
+    """Full weights, or only the adapter for a peft model, plus the tokenizer: what
+    `drkernel.modeling.load_model(directory)` loads for the next stage or for generate.py."""
+    accelerator.wait_for_everyone()
+    state = accelerator.get_state_dict(model)  # gathers FSDP shards on every rank
+    if accelerator.is_main_process:
+        m = unwrap(accelerator, model)
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        m.save_pretrained(directory, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(directory)
+    accelerator.wait_for_everyone()
+
+
+def save_checkpoint(accelerator, model, tokenizer, cfg: RunConfig, step: int,
+                    state: dict[str, Any]) -> Path:
+    """Everything needed to continue exactly: Accelerate state (+ RNG) and our trainer state."""
+    path = Path(cfg.output_dir) / f"checkpoint-{step}"
+    accelerator.save_state(str(path))
+    save_model(accelerator, model, tokenizer, path / "model")
+    if accelerator.is_main_process:
+        with open(path / TRAINER_STATE, "w") as fh:  # written last: marks the checkpoint complete
+            json.dump({"step": int(step), **state}, fh, indent=1)
+        if cfg.save_total_limit > 0:
+            import shutil
+
+            for old in checkpoints(cfg.output_dir)[:-cfg.save_total_limit]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def load_checkpoint(accelerator, path: str | os.PathLike) -> dict[str, Any]:
+    """Restore model/optimizer/scheduler/RNG in place; return trainer_state.json."""
+    accelerator.load_state(str(path))
+    with open(Path(path) / TRAINER_STATE) as fh:
+        return json.load(fh)
