@@ -87,10 +87,12 @@ def load_conversations(spec: str | None = None, split: str = "train") -> list[di
     Local JSON files are read directly when `datasets` is not installed.
     """
     if not spec or spec == "bundled":
-        path: Path | None = BUNDLED_SFT
+        if not BUNDLED_SFT.is_file():
+            raise SFTDataError(f"the bundled SFT set {BUNDLED_SFT} is missing (a broken install?)")
+        spec, path = "bundled", BUNDLED_SFT
     else:
         path = Path(spec)
-    if path is not None and path.is_file():
+    if path.is_file():
         fmt = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(path.suffix)
         if fmt is None:
             raise SFTDataError(f"{path}: unsupported file type (use .jsonl, .json or .parquet)")
@@ -103,8 +105,8 @@ def load_conversations(spec: str | None = None, split: str = "train") -> list[di
         else:
             rows = list(datasets.load_dataset(fmt, data_files=str(path), split="train"))
     else:
-        if path is not None and not path.exists() and (spec.startswith((".", "/", "~"))
-                                                       or spec.endswith((".jsonl", ".json", ".parquet"))):
+        looks_local = spec.startswith((".", "/", "~")) or spec.endswith((".jsonl", ".json", ".parquet"))
+        if looks_local and not path.exists():
             raise SFTDataError(f"--dataset {spec}: no such file or directory")
         try:
             import datasets
@@ -116,9 +118,9 @@ def load_conversations(spec: str | None = None, split: str = "train") -> list[di
         except Exception as exc:  # hub errors, missing split, unreadable files
             raise SFTDataError(f"--dataset {spec} (split {split!r}): {type(exc).__name__}: {exc}") from None
     if not rows:
-        raise SFTDataError(f"--dataset {spec or 'bundled'}: no rows")
+        raise SFTDataError(f"--dataset {spec}: no rows")
     for i, row in enumerate(rows):
-        validate_messages(row.get("messages"), f"{spec or 'bundled'} row {i}")
+        validate_messages(row.get("messages"), f"{spec} row {i}")
     return rows
 
 

@@ -1,0 +1,429 @@
+"""Cold-start SFT: assistant-only labels, packing, the chunked loss, the training loop,
+resume, the SFT -> RL hand-off, and generations -> SFT data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from drkernel import sft, sft_data
+from drkernel.prompts import feedback_message, first_turn_messages
+from drkernel.sft_data import IGNORE_INDEX, SFTDataError
+from drkernel.tasks import bundled_solution, load_bundled
+
+CODE = "```python\nimport triton\n@triton.jit\ndef kernel(x_ptr, n):\n    pid = tl.program_id(0)\n```"
+
+
+def conversation(i: int) -> list[dict]:
+    return [
+        {"role": "system", "content": "You write Triton kernels."},
+        {"role": "user", "content": f"Task {i}: write ModelNew for relu."},
+        {"role": "assistant", "content": f"First try {i}.\n\n```python\nclass ModelNew(nn.Module):\n    pass\n```"},
+        {"role": "user", "content": "Evaluation of your answer (turn 1):\n- verdict: incorrect (wrong output)"},
+        {"role": "assistant", "content": f"Fixed {i}.\n\n" + CODE},
+    ]
+
+
+@pytest.fixture(scope="module")
+def small_dataset(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("sft_data") / "small.jsonl"
+    path.write_text("".join(json.dumps({"messages": conversation(i)}) + "\n" for i in range(6)))
+    return path
+
+
+# ----------------------------------------------------------------------------- labels
+
+def content_token_sets(tokenizer, messages, ids):
+    """Independent of sft_data: tokens overlapping each message's content in the rendered text."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert list(enc["input_ids"]) == list(ids), "labels must index the rendered conversation's tokens"
+    pos, per_message = 0, []
+    for m in messages:
+        at = text.index(m["content"], pos)
+        pos = at + len(m["content"])
+        toks = {k for k, (a, b) in enumerate(enc["offset_mapping"]) if a < pos and b > at and b > a}
+        per_message.append((m, toks, max(toks) + 1))
+    return per_message
+
+
+def check_labels(tokenizer, messages, ex):
+    ids, labels = ex["input_ids"], ex["labels"]
+    unmasked = {k for k, t in enumerate(labels) if t != IGNORE_INDEX}
+    assert all(labels[k] == ids[k] for k in unmasked)
+    allowed = set()
+    for m, toks, after in content_token_sets(tokenizer, messages, ids):
+        if m["role"] == "assistant" and m.get("weight", 1):
+            assert toks <= unmasked, "an assistant content token is masked"
+            allowed |= toks
+            if after < len(ids) and ids[after] == tokenizer.eos_token_id:
+                allowed.add(after)  # the end-of-turn token is trained (the model must learn to stop)
+        else:
+            assert not (toks & unmasked), f"a {m['role']} token enters the loss"
+    assert unmasked <= allowed, f"tokens outside assistant content are trained: {sorted(unmasked - allowed)[:10]}"
+    return unmasked
+
+
+def test_only_assistant_tokens_are_trained(tiny_tokenizer):
+    msgs = conversation(0)
+    ex = sft_data.tokenize_conversation(msgs, tiny_tokenizer)
+    assert ex["method"] == "prefix"
+    unmasked = check_labels(tiny_tokenizer, msgs, ex)
+    eos = [k for k in unmasked if ex["input_ids"][k] == tiny_tokenizer.eos_token_id]
+    assert len(eos) == 2  # each assistant turn ends with its trained <|im_end|>
+
+
+def test_bundled_conversations_labels(tiny_tokenizer):
+    rows = sft_data.load_conversations(None)
+    for row in rows:
+        ex = sft_data.tokenize_conversation(row["messages"], tiny_tokenizer)
+        check_labels(tiny_tokenizer, row["messages"], ex)
+
+
+def test_weight_zero_assistant_is_context(tiny_tokenizer):
+    msgs = conversation(1)
+    msgs[2] = dict(msgs[2], weight=0)
+    ex = sft_data.tokenize_conversation(msgs, tiny_tokenizer)
+    check_labels(tiny_tokenizer, msgs, ex)
+    first = content_token_sets(tiny_tokenizer, msgs, ex["input_ids"])[2][1]
+    assert all(ex["labels"][k] == IGNORE_INDEX for k in first)
+
+
+def test_non_prefix_template_falls_back_to_offsets(tiny_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    # earlier assistant turns are rendered with a suffix: rendering a prefix is not a prefix of the whole
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{% if m['role'] == 'assistant' and not loop.last %} [earlier]{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    msgs = conversation(2)
+    ex = sft_data.tokenize_conversation(msgs, tok)
+    assert ex["method"] == "offsets"
+    check_labels(tok, msgs, ex)  # " [earlier]" and every non-assistant token stay masked
+
+    # not prefix-consistent and the content is rewritten: no way to locate it, a clear error
+    tok.chat_template = tok.chat_template.replace("m['content'] }}", "m['content'] | upper }}")
+    with pytest.raises(SFTDataError, match="does not appear verbatim"):
+        sft_data.tokenize_conversation(msgs, tok)
+    tok.chat_template = None
+    with pytest.raises(SFTDataError, match="no chat template"):
+        sft_data.tokenize_conversation(msgs, tok)
+
+
+def test_overlong_truncate_or_drop(tiny_tokenizer):
+    rows = [{"messages": conversation(i)} for i in range(3)]
+    full = len(sft_data.tokenize_conversation(rows[0]["messages"], tiny_tokenizer)["input_ids"])
+    limit = full - 5  # the end of the last assistant turn does not fit
+    ex, st = sft_data.tokenize_dataset(rows, tiny_tokenizer, limit, "truncate")
+    assert (st.truncated, st.dropped, st.sequences) == (3, 0, 3)
+    assert all(len(e["input_ids"]) == limit for e in ex)
+    ex, st = sft_data.tokenize_dataset(rows, tiny_tokenizer, limit, "drop")
+    assert (st.truncated, st.dropped, st.sequences) == (0, 3, 0)
+    # cut before any assistant token: nothing to train, dropped even when truncating
+    ex, st = sft_data.tokenize_dataset(rows, tiny_tokenizer, 8, "truncate")
+    assert (st.dropped, st.sequences) == (3, 0)
+    with pytest.raises(SFTDataError):
+        sft_data.tokenize_dataset(rows, tiny_tokenizer, limit, "wrap")
+
+
+def test_invalid_conversations_are_clear_errors(tiny_tokenizer):
+    with pytest.raises(SFTDataError, match="no `messages`"):
+        sft_data.validate_messages(None)
+    with pytest.raises(SFTDataError, match="unknown role"):
+        sft_data.validate_messages([{"role": "robot", "content": "x"}])
+    with pytest.raises(SFTDataError, match="no assistant"):
+        sft_data.validate_messages([{"role": "user", "content": "x"}])
+
+
+def test_load_conversations_from_files(tmp_path):
+    rows = [{"messages": conversation(i), "extra": i} for i in range(3)]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "b.json").write_text(json.dumps(rows))
+    import datasets
+
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
+    for name in ("a.jsonl", "b.json", "c.parquet"):
+        got = sft_data.load_conversations(str(tmp_path / name))
+        assert [r["messages"][1]["content"] for r in got] == [r["messages"][1]["content"] for r in rows]
+    d = tmp_path / "dir"
+    d.mkdir()
+    (d / "train.jsonl").write_text((tmp_path / "a.jsonl").read_text())
+    assert len(sft_data.load_conversations(str(d))) == 3
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "no messages"}) + "\n")
+    with pytest.raises(SFTDataError, match="messages"):
+        sft_data.load_conversations(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(SFTDataError, match="no such file"):
+        sft_data.load_conversations(str(tmp_path / "missing.jsonl"))
+
+
+def test_bundled_set_is_multi_turn_with_our_solutions():
+    rows = sft_data.load_conversations(None)
+    assert 8 <= len(rows) <= 12
+    tasks = {t.name: t for t in load_bundled()}
+    assert {r["task"] for r in rows} == set(tasks)
+    for row in rows:
+        msgs, task = row["messages"], tasks[row["task"]]
+        assert msgs[:2] == first_turn_messages(task)
+        roles = [m["role"] for m in msgs[2:]]
+        assert roles[-1] == "assistant" and roles.count("assistant") >= 2
+        assert roles == ["assistant", "user"] * (len(roles) // 2) + ["assistant"]
+        for m in msgs[3:-1:2]:
+            assert m["content"].startswith("Evaluation of your answer (turn ")
+        final = msgs[-1]["content"]
+        assert bundled_solution(task).read_text().strip() in final
+        assert "ModelNew" in msgs[2]["content"] and msgs[2]["content"] != final
+
+
+# ----------------------------------------------------------------------------- loss and packing
+
+@pytest.fixture(scope="module")
+def tiny_lm(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).float().eval()
+
+
+def test_chunked_loss_matches_full_logits(tiny_lm, tiny_tokenizer):
+    ex, _ = sft_data.tokenize_dataset([{"messages": conversation(i)} for i in range(2)], tiny_tokenizer, 4096)
+    batch = sft_data.collate(ex, tiny_tokenizer.pad_token_id)
+    n_ref = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+    hf = tiny_lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    grads = []
+    for chunk in (0, 7):
+        tiny_lm.zero_grad()
+        s, n = sft.SFTLoss(chunk)(tiny_lm, batch)
+        assert n == n_ref
+        torch.testing.assert_close(s / n, hf, rtol=1e-5, atol=1e-5)
+        s.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in tiny_lm.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-6)
+
+
+def test_loss_falls_back_when_logits_are_not_a_plain_projection():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("gemma2", vocab_size=128, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                               head_dim=16, final_logit_softcapping=0.5)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    ids = torch.randint(0, 128, (2, 12))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids), "num_tokens": 24}
+    loss = sft.SFTLoss(4)
+    s, n = loss(model, batch)
+    assert loss.chunk_size == 0
+    ref = model(input_ids=ids, attention_mask=batch["attention_mask"], labels=ids).loss
+    torch.testing.assert_close(s / n, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_packing_keeps_sequences_apart(tiny_lm, tiny_tokenizer):
+    ex, _ = sft_data.tokenize_dataset([{"messages": conversation(i)} for i in range(3)], tiny_tokenizer, 4096)
+    rows = sft_data.pack_sequences(ex, max_length=sum(len(e["input_ids"]) for e in ex[:2]) + 3)
+    assert [len(r["input_ids"]) for r in rows] == [len(ex[0]["input_ids"]) + len(ex[1]["input_ids"]),
+                                                     len(ex[2]["input_ids"])]
+    n0 = len(ex[0]["input_ids"])
+    assert rows[0]["position_ids"][n0] == 0 and rows[0]["labels"][n0] == IGNORE_INDEX
+    packed = sft_data.collate(rows, tiny_tokenizer.pad_token_id)
+    assert packed["attention_mask"] is None
+    with torch.no_grad():
+        logits = tiny_lm(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
+        alone = tiny_lm(input_ids=torch.tensor([ex[1]["input_ids"]])).logits
+    # the second sequence of the packed row sees nothing of the first
+    torch.testing.assert_close(logits[0, n0:n0 + len(ex[1]["input_ids"])], alone[0], rtol=1e-4, atol=1e-4)
+    # and the packed loss is the sum of the per-sequence losses
+    s_packed, n_packed = sft.SFTLoss(5)(tiny_lm, packed)
+    singles = [sft.SFTLoss(5)(tiny_lm, sft_data.collate([e], tiny_tokenizer.pad_token_id)) for e in ex]
+    assert n_packed == sum(n for _, n in singles)
+    torch.testing.assert_close(s_packed, sum(s for s, _ in singles), rtol=1e-4, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------- the training loop
+
+def run_sft(out: Path, model_dir: Path, dataset: Path, *extra: str) -> int:
+    return sft.main(["--model", str(model_dir), "--dataset", str(dataset), "--output_dir", str(out),
+                     "--learning_rate", "3e-3", "--log_with", "none", "--per_device_train_batch_size", "2",
+                     *extra])
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def data_loss(model, tokenizer, dataset: Path) -> float:
+    """Mean assistant-token loss of `model` on the dataset."""
+    rows = sft_data.load_conversations(str(dataset))
+    ex, _ = sft_data.tokenize_dataset(rows, tokenizer, 4096)
+    batch = sft_data.collate(ex, tokenizer.pad_token_id)
+    with torch.no_grad():
+        s, n = sft.SFTLoss(64)(model.float().eval(), batch)
+    return float(s / n)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny_model_dir, small_dataset):
+    out = tmp_path_factory.mktemp("sft_full")
+    assert run_sft(out, tiny_model_dir, small_dataset, "--max_steps", "6", "--save_steps", "3",
+                   "--stage", "sft") == 0
+    return out
+
+
+def test_sft_lowers_assistant_loss_and_logs(full_run, tiny_model_dir, tiny_tokenizer, small_dataset):
+    from drkernel.modeling import load_model
+
+    rows = read_metrics(full_run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "tokens", "label_tokens", "lr", "tokens_per_s", "grad_norm"):
+        assert all(isinstance(r[key], (int, float)) for r in rows), key
+    assert rows[-1]["loss"] < 0.9 * rows[0]["loss"]
+    assert rows[0]["label_tokens"] < rows[0]["tokens"]  # prompts and feedback are not trained
+    before = data_loss(load_model(str(tiny_model_dir)), tiny_tokenizer, small_dataset)
+    after = data_loss(load_model(str(full_run / "final")), tiny_tokenizer, small_dataset)
+    assert after < before - 0.3
+    assert {"checkpoint-3", "checkpoint-6", "final", "metrics.jsonl"} <= {p.name for p in full_run.iterdir()}
+    assert (full_run / "checkpoint-3" / "model" / "config.json").is_file()
+
+
+def test_resume_reproduces_next_steps(full_run, tmp_path, tiny_model_dir, small_dataset):
+    out = tmp_path / "resumed"
+    assert run_sft(out, tiny_model_dir, small_dataset, "--max_steps", "6", "--save_steps", "3",
+                   "--resume_from", str(full_run / "checkpoint-3")) == 0
+    original = {r["step"]: r["loss"] for r in read_metrics(full_run)}
+    resumed = {r["step"]: r["loss"] for r in read_metrics(out)}
+    assert sorted(resumed) == [4, 5, 6]
+    assert original[4] != original[3]
+    for step in (4, 5, 6):
+        assert resumed[step] == pytest.approx(original[step], rel=1e-6, abs=1e-7)
+
+
+def test_handoff_full_weights_generate(full_run):
+    from drkernel.modeling import load_model, load_tokenizer
+
+    model = load_model(str(full_run / "final"))
+    tok = load_tokenizer(str(full_run / "final"))
+    ids = torch.tensor([tok("def kernel(x_ptr, n):", add_special_tokens=False)["input_ids"]])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                         pad_token_id=tok.pad_token_id)
+    assert out.shape[1] > ids.shape[1]
+    ckpt_model = load_model(str(full_run / "checkpoint-6" / "model"))
+    for a, b in zip(model.state_dict().values(), ckpt_model.state_dict().values()):
+        torch.testing.assert_close(a, b)
+
+
+def test_lora_sft_then_load_adapter(tmp_path, tiny_model_dir, tiny_tokenizer, small_dataset):
+    from drkernel.modeling import load_model
+
+    out = tmp_path / "lora"
+    assert run_sft(out, tiny_model_dir, small_dataset, "--max_steps", "4", "--save_steps", "0",
+                   "--lora_r", "8", "--lora_alpha", "16", "--learning_rate", "1e-2") == 0
+    adapter = out / "final"
+    assert (adapter / "adapter_config.json").is_file()
+    assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        Path(tiny_model_dir).resolve())
+    model = load_model(str(adapter))
+    assert type(model).__name__.startswith("Peft")
+    assert any(float(p.detach().abs().sum()) > 0 for n, p in model.named_parameters() if "lora_B" in n)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert model(input_ids=ids).logits.shape == (1, 4, len(tiny_tokenizer))
+    before = data_loss(load_model(str(tiny_model_dir)), tiny_tokenizer, small_dataset)
+    assert data_loss(model, tiny_tokenizer, small_dataset) < before - 0.1
+
+
+def test_packing_run_and_bad_input(tmp_path, tiny_model_dir, small_dataset, capsys):
+    out = tmp_path / "packed"
+    assert run_sft(out, tiny_model_dir, small_dataset, "--max_steps", "2", "--save_steps", "0",
+                   "--packing", "true", "--max_length", "512", "--per_device_train_batch_size", "1") == 0
+    rows = read_metrics(out)
+    assert len(rows) == 2 and rows[0]["tokens"] > 300  # several sequences in one packed row
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "hello"}) + "\n")
+    assert run_sft(tmp_path / "bad", tiny_model_dir, bad, "--max_steps", "1") == 2
+    assert "messages" in capsys.readouterr().err
+    assert run_sft(tmp_path / "bad", tiny_model_dir, small_dataset, "--stage", "rl") == 2
+    assert run_sft(tmp_path / "bad", tiny_model_dir, small_dataset, "--overlong", "wrap") == 2
+
+
+# ----------------------------------------------------------------------------- generations -> SFT
+
+def gen_row(pid, sample, turn, verdict, reward, speedup=None, hacks=(), code="", level=0, **extra):
+    response = f"Attempt {turn}.\n\n```python\n{code}```" if code else "I could not write it."
+    return {"level": level, "problem_id": pid, "sample": sample, "turn": turn, "response": response,
+            "code": code or None, "verdict": verdict, "correct": verdict == "correct", "speedup": speedup,
+            "reward": reward, "hacks": list(hacks), **extra}
+
+
+KERNEL_A = "import triton\n\n\nclass ModelNew(nn.Module):\n    def forward(self, x):\n        return x  # A\n"
+KERNEL_A_REFORMATTED = "import triton\nclass ModelNew( nn.Module ):\n    # same kernel\n    def forward(self,x):\n        return x\n"
+KERNEL_B = "import triton\n\nclass ModelNew(nn.Module):\n    def forward(self, x):\n        return x + 0  # B\n"
+
+
+@pytest.fixture()
+def generations(tmp_path) -> Path:
+    rows = [
+        # sample 0: fails, then a fast correct kernel -> kept, two turns
+        gen_row(1, 0, 1, "incorrect", 0.0, code=KERNEL_B, error="max abs err 0.5", max_abs_err=0.5, max_rel_err=0.2),
+        gen_row(1, 0, 2, "correct", 1.2, 1.5, code=KERNEL_A, ref_ms=1.0, candidate_ms=0.66),
+        # sample 1: correct, then a hack, then correct -> cut before the hack
+        gen_row(1, 1, 1, "correct", 1.0, 1.1, code=KERNEL_B),
+        gen_row(1, 1, 2, "hacked", 0.0, hacks=["decoy_kernel"], code="import torch  # hack\nModelNew = 1\n"),
+        gen_row(1, 1, 3, "correct", 1.5, 2.0, code="import triton\nclass ModelNew: pass  # C\n"),
+        # sample 2: never correct -> dropped
+        gen_row(1, 2, 1, "compile_error", 0.0, code=KERNEL_B, error="SyntaxError"),
+        gen_row(1, 2, 2, "runtime_error", 0.0, code=KERNEL_B, error="boom"),
+        # sample 3: the same final kernel as sample 0 (formatting, comments) with a lower reward -> duplicate
+        gen_row(1, 3, 1, "correct", 1.1, 1.4, code=KERNEL_A_REFORMATTED),
+        # problem 2: correct but slower than the reference
+        gen_row(2, 0, 1, "correct", 0.9, 0.8, code=KERNEL_B + "# problem 2\n"),
+        # a problem we do not have
+        gen_row(99, 0, 1, "correct", 1.0, 1.0, code=KERNEL_B, level=7),
+    ]
+    path = tmp_path / "gen.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_generations_to_sft(generations, tiny_tokenizer):
+    rows = [json.loads(line) for line in generations.read_text().splitlines()]
+    tasks = load_bundled()
+    out, stats = sft_data.generations_to_sft(rows, tasks, min_speedup=1.05)
+    assert [(r["problem_id"], r["sample"], r["turns"]) for r in out] == [(1, 0, 2), (1, 1, 1)]
+    assert stats == {"trajectories": 6, "kept": 2, "missing_task": 1, "hacked_turns_dropped": 2,
+                     "truncated_at_hack": 1, "below_threshold": 2, "duplicates": 1}
+    task1 = next(t for t in tasks if t.problem_id == 1)
+    msgs = out[0]["messages"]
+    assert msgs[:2] == first_turn_messages(task1)
+    assert msgs[2] == {"role": "assistant", "content": rows[0]["response"], "weight": 0}
+    assert msgs[3] == {"role": "user", "content": feedback_message(rows[0], 1)}
+    assert "max abs error: 0.5" in msgs[3]["content"]
+    assert msgs[4] == {"role": "assistant", "content": rows[1]["response"], "weight": 1}
+    assert len(msgs) == 5
+    hacked = out[1]["messages"]
+    assert [m["role"] for m in hacked] == ["system", "user", "assistant"]
+    assert "hack" not in hacked[-1]["content"]
+    assert out[0]["kernel_hash"] == sft_data.kernel_hash(KERNEL_A_REFORMATTED) != sft_data.kernel_hash(KERNEL_B)
+    # the failed first answer is context, the fix is trained
+    ex = sft_data.tokenize_conversation(msgs, tiny_tokenizer)
+    check_labels(tiny_tokenizer, msgs, ex)
+
+    out, stats = sft_data.generations_to_sft(rows, tasks, min_reward=1.15)
+    assert [(r["problem_id"], r["sample"]) for r in out] == [(1, 0)]
+    out, _ = sft_data.generations_to_sft(rows, tasks)  # no thresholds: any correct, non-hacked turn
+    assert [(r["problem_id"], r["sample"]) for r in out] == [(1, 0), (1, 1), (2, 0)]
+    out, _ = sft_data.generations_to_sft(rows, tasks, train_failed_turns=True)
+    assert "weight" not in out[0]["messages"][2]
+    with pytest.raises(SFTDataError, match="missing key"):
+        sft_data.generations_to_sft([{"level": 0}], tasks)
+
+
+def test_generations_cli(generations, tmp_path, capsys):
+    out = tmp_path / "sft.jsonl"
+    assert sft_data.main(["--generations", str(generations), "--out", str(out), "--min_speedup", "1.05"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["kept"] == 2
+    rows = sft_data.load_conversations(str(out))
+    assert len(rows) == 2 and rows[0]["messages"][2]["weight"] == 0
+    assert sft_data.main(["--generations", str(tmp_path / "nope.jsonl"), "--out", str(out)]) == 2
+    assert "no such file" in capsys.readouterr().err
