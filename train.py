@@ -1,17 +1,50 @@
-"""RL (and later SFT) training entry point: `accelerate launch train.py [--config cfg.yaml] [--key value ...]`.
+"""Training entry point: `accelerate launch train.py [--stage rl|sft] [--config cfg.yaml] [--key value ...]`.
 
-Not implemented yet: the RL loop is tracked in issue 5 and SFT in issue 8. The pieces it
-will wire together already exist and are tested: drkernel.tasks, drkernel.prompts,
-drkernel.rollout, drkernel.evaluator, drkernel.rewards, drkernel.advantages, drkernel.loss.
-This script says so plainly instead of pretending to train.
+    accelerate launch train.py                       # offline default: a short real RL run on CPU
+    python train.py --model Qwen/Qwen2.5-1.5B-Instruct --tasks ../shared/kernelbench --levels 1 \\
+        --max_steps 100 --output_dir runs/rl_qwen
+    python train.py --stage sft ...                  # supervised warm-up (drkernel.sft)
+    python train.py --help                           # every RL option with its default
+
+Stage "rl" (the default) is `drkernel.trainer.main`; stage "sft" is `drkernel.sft.main`.
 """
+
+from __future__ import annotations
 
 import sys
 
+STAGES = ("rl", "sft")
 
-def main() -> int:
-    print("train.py: the RL/SFT training loop is not implemented yet (issues 5 and 8). "
-          "Use `python evaluate.py` or `python -m drkernel.evaluator` meanwhile.", file=sys.stderr)
+
+def split_stage(argv: list[str]) -> tuple[str, list[str]]:
+    """Take `--stage X` / `--stage=X` out of argv; the rest goes to the stage's own parser."""
+    stage, rest, i = "rl", [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--stage":
+            if i + 1 >= len(argv):
+                raise SystemExit("train.py: error: --stage needs a value (rl or sft)")
+            stage, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--stage="):
+            stage = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return stage, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    stage, rest = split_stage(list(sys.argv[1:] if argv is None else argv))
+    if stage == "rl":
+        from drkernel import trainer
+
+        return trainer.main(rest)
+    if stage == "sft":
+        from drkernel import sft  # imported only for this stage
+
+        return sft.main(rest)
+    print(f"train.py: error: --stage must be one of {', '.join(STAGES)}, not {stage!r}", file=sys.stderr)
     return 2
 
 

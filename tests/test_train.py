@@ -1,0 +1,348 @@
+"""The RL loop (drkernel/trainer.py, train.py, bench/update.py) on CPU with tiny random-init models."""
+
+import copy
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from drkernel.config import ConfigError, parse_config
+from drkernel.generation import GenOutput, generate, recompute_logprobs
+from drkernel.loss import policy_loss
+from drkernel.modeling import tiny_random_model
+from drkernel.tasks import bundled_solution, load_bundled
+from drkernel.trainer import (TaskSampler, TrainConfig, Trainer, UpdateSample, collate, policy_update,
+                              response_logprobs, step_seed)
+
+ROOT = Path(__file__).resolve().parent.parent
+REQUIRED_KEYS = {"step", "loss", "reward_mean", "turn1/correct", "turn1/speedup", "turn2/correct", "turn2/speedup",
+                 "fast_1", "triton_share", "mismatch_kl", "mismatch_reject_rate", "prs_reject_rate",
+                 "outcome_mask_rate", "tokens_per_s", "evaluate_s", "generate_s", "update_s", "grad_norm", "lr"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """Each Trainer builds its own Accelerator; start every test from a clean shared state."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------ (a) end to end + exact resume
+
+def solution_generator(tasks):
+    """Real sampling, with every group's first trajectory answering with our bundled solution
+    (teacher-forced, with its true log-probs), so each group mixes a correct and a failed turn."""
+    answers = [(t.code.strip(), "Here it is.\n```python\n" + bundled_solution(t).read_text() + "```\n")
+               for t in tasks]
+
+    def gen(model, tok, prompts, gcfg):
+        outs = generate(model, tok, prompts, gcfg)
+        for i in range(0, len(prompts), 2):
+            text = tok.decode(prompts[i])
+            answer = next(a for code, a in answers if code in text)
+            ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            outs[i] = GenOutput(ids, recompute_logprobs(model, prompts[i], ids, gcfg.temperature).tolist(), True)
+        return outs
+
+    return gen
+
+
+def _e2e_cfg(model_dir, out, **kw):
+    base = dict(model=str(model_dir), output_dir=str(out), max_steps=2, problem_ids="1,2", tasks_per_step=2,
+                num_generations=2, num_turns=2, max_new_tokens=8, learning_rate=1e-3, num_iterations=2,
+                micro_batch_size=3, logprob_chunk_size=64,
+                eval_device="cpu", eval_trials=1, eval_perf_trials=2, log_with="none", save_steps=1,
+                save_total_limit=0, seed=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _safetensors(directory):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(directory) / "model.safetensors"))
+
+
+def test_two_steps_with_real_evaluator_then_exact_resume(tiny_model_dir, tmp_path, monkeypatch):
+    tasks = load_bundled([1, 2])
+    # CPU wall-clock timings are noise, and the turn-2 feedback quotes them: keep the real
+    # sandboxed verdicts but drop the timings, so that a resumed run sees the same prompts
+    real_evaluate = Trainer._evaluate
+
+    def evaluate_without_timings(self, pairs):
+        results = real_evaluate(self, pairs)
+        assert all(r.get("timing") == "cpu_wall" for r in results)
+        return [dict(r, speedup=None, ref_ms=None, candidate_ms=None) for r in results]
+
+    monkeypatch.setattr(Trainer, "_evaluate", evaluate_without_timings)
+    run_a = tmp_path / "a"
+    trainer = Trainer(_e2e_cfg(tiny_model_dir, run_a, log_with="tensorboard"), generator=solution_generator(tasks))
+    history = trainer.train()
+    assert [h["step"] for h in history] == [1, 2]
+
+    rows = _read_jsonl(run_a / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
+        # the sandboxed evaluator passed our solutions; the tiny model's own text has no code
+        assert r["turn1/correct"] == 0.5 and r["turn2/correct"] == 0.5 and r["all/format_error"] == 0.5
+        assert r["reward_mean"] == pytest.approx(0.25) and r["n_evaluated"] == 4
+        assert r["mismatch_reject_rate"] == 0.0 and r["mismatch_kl"] < 1e-6  # trainer log-probs = sampler's
+        assert r["loss"] != 0.0 and r["grad_norm"] > 0.0
+        assert r["generate_s"] > 0 and r["evaluate_s"] > 0 and r["update_s"] > 0
+    assert any((run_a / "logs").rglob("events.out.tfevents.*"))
+
+    # rollout dumps: TRLOO over reward-to-go (gamma = 1): correct turns +1.0 (turn 1), +0.5 (turn 2)
+    dump = _read_jsonl(run_a / "rollouts" / "step_1.jsonl")
+    assert len(dump) == 8 and {"response", "code", "verdict", "reward", "advantage"} <= set(dump[0])
+    for d in dump:
+        sign = 1.0 if d["verdict"] == "correct" else -1.0
+        assert d["verdict"] in ("correct", "format_error")
+        assert d["advantage"] == pytest.approx(sign * (1.0 if d["turn"] == 1 else 0.5))
+        assert (d["code"] is not None) == (d["verdict"] == "correct")
+
+    state = json.loads((run_a / "checkpoint-1" / "trainer_state.json").read_text())
+    assert state["step"] == 1 and state["sampler"]["index"] == 0 and state["sampler"]["epoch"] == 1
+    assert (run_a / "final" / "model.safetensors").is_file()
+
+    # resume from step 1 into a fresh directory: step 2 must come out the same
+    run_b = tmp_path / "b"
+    resumed = Trainer(_e2e_cfg(tiny_model_dir, run_b, resume_from=str(run_a / "checkpoint-1")),
+                      generator=solution_generator(tasks))
+    assert resumed.step == 1
+    again = resumed.train()
+    assert [h["step"] for h in again] == [2]
+    assert again[0]["update_tokens"] == rows[1]["update_tokens"]  # the same samples
+    for key in ("loss", "loss_first_iteration", "grad_norm", "reward_mean", "approx_kl", "clip_frac"):
+        assert math.isclose(again[0][key], rows[1][key], rel_tol=1e-9, abs_tol=1e-12), key
+    a, b = _safetensors(run_a / "checkpoint-2" / "model"), _safetensors(run_b / "checkpoint-2" / "model")
+    start = _safetensors(run_a / "checkpoint-1" / "model")
+    assert a.keys() == b.keys()
+    assert all(torch.allclose(a[k], b[k], atol=1e-7) for k in a)
+    assert any(not torch.equal(a[k], start[k]) for k in a)  # step 2 did change the weights
+
+
+# ------------------------------------------------------------------ (b) the update learns
+
+def test_trloo_update_raises_reward_in_a_scripted_environment(tiny_tokenizer, tmp_path):
+    """Reward = share of response tokens whose id is divisible by 8 (about 1/8 at random init)."""
+    tok = tiny_tokenizer
+    model = tiny_random_model(vocab_size=len(tok), seed=0)
+    model.config.eos_token_id = tok.eos_token_id
+
+    def target_share(sample):
+        return sum(1 for t in sample.response_ids if t % 8 == 0) / max(1, len(sample.response_ids))
+
+    def no_evaluator(pairs):
+        raise AssertionError("the scripted environment never evaluates code")
+
+    cfg = TrainConfig(model="injected", output_dir=str(tmp_path), max_steps=12, tasks_per_step=1,
+                      num_generations=6, num_turns=1, max_new_tokens=6, learning_rate=1e-2,
+                      micro_batch_size=6, log_with="none", save_steps=0, dump_rollouts=False, seed=0)
+    trainer = Trainer(cfg, model=model, tokenizer=tok, tasks=load_bundled([1]), evaluate_fn=no_evaluator,
+                      sample_reward_fn=target_share)
+    rewards = [h["reward_mean"] for h in trainer.train()]
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert first < 0.3 and last > first + 0.3, rewards
+
+
+def test_prs_rejected_turns_keep_their_baseline_but_leave_the_loss(tiny_tokenizer, tmp_path):
+    tok = tiny_tokenizer
+    model = tiny_random_model(vocab_size=len(tok), seed=0)
+    cfg = TrainConfig(model="injected", output_dir=str(tmp_path), max_steps=1, tasks_per_step=1,
+                      num_generations=5, num_turns=1, max_new_tokens=3, log_with="none", save_steps=0, seed=1)
+    trainer = Trainer(cfg, model=model, tokenizer=tok, tasks=load_bundled([1]), evaluate_fn=lambda pairs: [],
+                      prs_fn=lambda result: 0.5,  # keep each turn with probability 1/2
+                      sample_reward_fn=lambda s: float(s.traj_id) ** 2)
+    metrics = trainer.train()[0]
+    dump = _read_jsonl(tmp_path / "rollouts" / "step_1.jsonl")
+    kept = [d["prs_keep"] for d in dump]
+    assert 0 < sum(kept) < 5 and [d["in_loss"] for d in dump] == kept
+    rewards = [d["reward"] for d in dump]
+    for d in dump:  # leave-one-out over all five members, rejected or not
+        others = [r for j, r in enumerate(rewards) if j != d["traj"]]
+        assert d["advantage"] == pytest.approx(d["reward"] - sum(others) / 4)
+    assert metrics["update_samples"] == sum(kept) and metrics["prs_reject_rate"] == pytest.approx(1 - sum(kept) / 5)
+
+
+# ------------------------------------------------------------------ (c) chunked log-probs
+
+def _samples(tok, vocab, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (p, r) in enumerate(lengths):
+        ids = torch.randint(0, vocab, (p + r,), generator=g).tolist()
+        out.append(UpdateSample(ids[:p], ids[p:], [0.0] * r, advantage=[1.0, -0.5, 0.0, 2.0, -1.0][i % 5]))
+    return out
+
+
+def _naive_logprobs(model, s, temperature):
+    """The plain way: the full [L, V] fp32 logits of one unpadded sequence."""
+    ids = torch.tensor([s.prompt_ids + s.response_ids])
+    logits = model(input_ids=ids).logits[0].float() / temperature
+    logp_all = torch.log_softmax(logits[len(s.prompt_ids) - 1:-1], dim=-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, torch.tensor(s.response_ids)[:, None]).squeeze(-1), ent
+
+
+def _peaked_model(vocab, seed=1):
+    model = tiny_random_model(vocab_size=vocab, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # larger weights than the init: log-probs far from uniform
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return model
+
+
+def test_chunked_logprobs_equal_full_logits_values_and_gradients(tiny_tokenizer):
+    vocab = len(tiny_tokenizer)
+    model = _peaked_model(vocab)
+    samples = _samples(tiny_tokenizer, vocab, [(5, 7), (3, 12), (9, 1), (4, 6)])
+    mb = collate(samples, pad_id=0, device="cpu")
+    assert mb.input_ids.shape == (4, 15) and mb.mask.sum() == 26
+    lp, ent = response_logprobs(model, mb, temperature=0.7, chunk_size=5, with_entropy=True)
+    (lp * mb.mask).sum().backward()
+    chunked_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    total = 0.0
+    for i, s in enumerate(samples):
+        naive, naive_ent = _naive_logprobs(model, s, 0.7)
+        r = len(s.response_ids)
+        assert torch.allclose(lp[i, :r], naive, atol=1e-5)
+        assert torch.allclose(ent[i, :r], naive_ent, atol=1e-4)
+        assert not mb.mask[i, r:].any() and (lp[i, r:] == 0).all()
+        total = total + naive.sum()
+    total.backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(chunked_grads[n], p.grad, atol=1e-5, rtol=1e-4), n
+
+
+def test_policy_update_is_the_global_loss_whatever_the_micro_batching(tiny_tokenizer):
+    """Micro-batching, chunking and dropped samples do not change the step: it equals one plain
+    backward of policy_loss over the padded batch of the kept samples (SGD, lr 1: Δθ = -∇L)."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    vocab = len(tiny_tokenizer)
+    base = _peaked_model(vocab, seed=2)
+    samples = _samples(tiny_tokenizer, vocab, [(5, 7), (3, 12), (9, 2), (4, 6), (6, 3), (2, 9)])
+    for s in samples:  # exact rollout log-probs: the mismatch check keeps everything
+        s.rollout_logprobs = _naive_logprobs(base, s, 1.0)[0].tolist()
+    samples[3].train = False  # PRS-rejected: out of the loss and of its denominator
+    start = {n: p.detach().clone() for n, p in base.named_parameters()}
+
+    def step(samples_, **kw):
+        model = copy.deepcopy(base)
+        cfg = TrainConfig(max_grad_norm=0.0, **kw)
+        m = policy_update(model, torch.optim.SGD(model.parameters(), lr=1.0), samples_, cfg, acc)
+        return {n: start[n] - p.detach() for n, p in model.named_parameters()}, m
+
+    d1, m1 = step(samples, micro_batch_size=1, logprob_chunk_size=3)
+    d2, m2 = step(samples, micro_batch_size=4, logprob_chunk_size=0)
+    d3, _ = step([s for s in samples if s.train], micro_batch_size=2, logprob_chunk_size=4)
+    assert m1["update_samples"] == 4 and m1["update_skipped_zero_adv"] == 1  # sample 2 has A = 0
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
+
+    # the reference: one backward over the padded batch of kept samples
+    model = copy.deepcopy(base)
+    kept = [s for s in samples if s.train]
+    width = max(len(s.response_ids) for s in kept)
+    logp = torch.zeros(len(kept), width)
+    mask = torch.zeros(len(kept), width, dtype=torch.bool)
+    rows = []
+    for i, s in enumerate(kept):
+        lp, _ = _naive_logprobs(model, s, 1.0)
+        rows.append(torch.cat([lp, torch.zeros(width - len(lp))]))
+        mask[i, :len(lp)] = True
+    logp = torch.stack(rows)
+    adv = torch.tensor([s.advantage for s in kept])
+    loss, _ = policy_loss(logp, logp.detach(), adv, mask, TrainConfig().loss_config())
+    loss.backward()
+    assert m1["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+    assert any(p.grad.abs().max() > 0 for p in model.parameters())
+    for n, p in model.named_parameters():
+        for d in (d1, d2, d3):
+            assert torch.allclose(d[n], p.grad, atol=1e-6, rtol=1e-4), n
+
+
+# ------------------------------------------------------------------ pieces and entry points
+
+def test_task_sampler_resumes_exactly_and_seeds_are_per_step():
+    a = TaskSampler(5, seed=7)
+    first = [a.next(3) for _ in range(2)]
+    b = TaskSampler(5, seed=7)
+    b.next(3)
+    c = TaskSampler(5, seed=7)
+    c.load_state_dict(b.state_dict())
+    assert c.next(3) == first[1]
+    assert sorted(first[0] + first[1][:2]) == [0, 1, 2, 3, 4]  # one full pass before repeating
+    with pytest.raises(ConfigError):
+        TaskSampler(4, seed=7).load_state_dict(b.state_dict())
+    assert step_seed(0, 1) == step_seed(0, 1) != step_seed(0, 2) != step_seed(1, 2)
+
+
+@pytest.mark.parametrize("argv,msg", [(["--estimator", "ppo"], "estimator"),
+                                      (["--num_generations", "1"], "num_generations"),
+                                      (["--loss_type", "sum"], "loss_type"),
+                                      (["--gradient_accumulation_steps", "4"], "micro-batches"),
+                                      (["--geo_low", "2", "--geo_high", "1"], "geo_low")])
+def test_bad_options_are_clear_errors(argv, msg, capsys):
+    with pytest.raises(ConfigError, match=msg):
+        parse_config(TrainConfig, argv)
+    spec = importlib.util.spec_from_file_location("train_entry", ROOT / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    assert train.main(argv) == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_train_py_dispatches_the_sft_stage(monkeypatch):
+    import types
+
+    import drkernel
+
+    seen = []
+    fake = types.ModuleType("drkernel.sft")
+    fake.main = lambda argv: seen.append(list(argv)) or 0
+    monkeypatch.setitem(sys.modules, "drkernel.sft", fake)
+    monkeypatch.setattr(drkernel, "sft", fake, raising=False)
+    spec = importlib.util.spec_from_file_location("train_entry", ROOT / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    assert train.main(["--stage", "sft", "--max_steps", "3"]) == 0
+    assert train.main(["--output_dir", "x", "--stage=sft"]) == 0
+    assert seen == [["--max_steps", "3"], ["--output_dir", "x"]]
+    assert train.main(["--stage", "dpo"]) == 2
+
+
+def test_update_bench_runs_on_cpu(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_update", ROOT / "bench" / "update.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "update.json"
+    with pytest.raises(ValueError):
+        bench.parse_variant("mb=9,bad=1")
+    # mb=0 fails inside its run (a bad micro-batch size); the other variants still run
+    variants = "mb=1,ckpt=1,chunk=16;mb=0,ckpt=0,chunk=0;mb=2,ckpt=0,chunk=0;plain"
+    assert bench.main(["--tiny", "--out", str(out), "--variants", variants]) == 0
+    data = json.loads(out.read_text())
+    results = {r["variant"]: r for r in data["results"]}
+    assert list(results) == ["mb=1,ckpt=1,chunk=16", "mb=0,ckpt=0,chunk=0", "mb=2,ckpt=0,chunk=0", "plain"]
+    assert not results["mb=0,ckpt=0,chunk=0"]["ok"] and "micro_batch_size" in results["mb=0,ckpt=0,chunk=0"]["error"]
+    for name in ("mb=1,ckpt=1,chunk=16", "mb=2,ckpt=0,chunk=0", "plain"):
+        assert results[name]["ok"] and results[name]["tokens_per_s"] > 0 and results[name]["tokens"] == 128
+    assert data["params"] > 0
