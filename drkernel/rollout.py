@@ -98,7 +98,8 @@ def _generate_default(model, tokenizer, prompts, cfg) -> list[GenOutput]:
 def rollout(model, tokenizer, tasks: Sequence[Task], evaluate_fn: EvaluateFn,
             cfg: RolloutConfig | None = None, reward_fn: Callable[[dict], float] | None = None,
             prs_fn: Callable[[dict], Any] | None = None,
-            generator: Callable[..., list[GenOutput]] | None = None) -> list[list[TurnSample]]:
+            generator: Callable[..., list[GenOutput]] | None = None,
+            start_messages: Sequence[list[dict]] | None = None) -> list[list[TurnSample]]:
     """Trajectories, one list of TurnSamples per (task, sample), task-major order.
 
     - `evaluate_fn(list[(Task, code)]) -> list[result dict]`, called once per turn;
@@ -106,18 +107,25 @@ def rollout(model, tokenizer, tasks: Sequence[Task], evaluate_fn: EvaluateFn,
     - `prs_fn(result) -> bool | float`: keep the sample (bool) or its keep probability
       (float, drawn with a `random.Random(cfg.seed)`); None keeps everything;
     - `generator(model, tokenizer, prompt_ids_list, GenerationConfig) -> list[GenOutput]`
-      replaces `generation.generate` (e.g. an inference engine); None uses it.
+      replaces `generation.generate` (e.g. an inference engine); None uses it;
+    - `start_messages`: one starting conversation per trajectory (task-major), e.g. a
+      test-time-scaling context ending with a feedback message; None starts every
+      trajectory from `first_turn_messages(task)`.
     """
     cfg = cfg or RolloutConfig()
     reward_fn = reward_fn or default_reward_fn()
     generator = generator or _generate_default
     rng = random.Random(cfg.seed)
+    if start_messages is not None and len(start_messages) != len(tasks) * cfg.num_generations:
+        raise ValueError(f"start_messages holds {len(start_messages)} conversations for "
+                         f"{len(tasks) * cfg.num_generations} trajectories")
 
     histories: list[list[dict]] = []
     owners: list[tuple[int, Task]] = []
     for g, task in enumerate(tasks):
         for _ in range(cfg.num_generations):
-            histories.append(first_turn_messages(task))
+            start = first_turn_messages(task) if start_messages is None else start_messages[len(histories)]
+            histories.append([dict(m) for m in start])
             owners.append((g, task))
     trajectories: list[list[TurnSample]] = [[] for _ in histories]
 
@@ -158,7 +166,8 @@ def rollout(model, tokenizer, tasks: Sequence[Task], evaluate_fn: EvaluateFn,
                 finished=bool(out.finished), messages=messages[i] if cfg.keep_messages else None))
             if turn < cfg.num_turns:
                 histories[i].append({"role": "assistant", "content": text})
-                histories[i].append({"role": "user", "content": feedback_message(result, turn)})
+                answered = sum(m["role"] == "assistant" for m in histories[i])  # = turn from scratch
+                histories[i].append({"role": "user", "content": feedback_message(result, answered)})
     return trajectories
 
 

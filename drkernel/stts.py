@@ -1,0 +1,130 @@
+"""Sequential test-time scaling (STTS): keep refining, restarting from the best stretch of turns.
+
+A long multi-turn conversation outgrows the context window and drags along every failed
+attempt. STTS runs `iterations` rounds of `num_turns` turns for each (task, sample). Round 0
+starts from the task prompt, as in training. Every later round starts from a fresh
+conversation that holds the task prompt plus the best `window` *consecutive* earlier turns
+(each turn = the policy's answer and the evaluator's feedback on it), "best" meaning the
+largest summed reward. The paper uses 10 rounds of 5 turns with a 4-turn window.
+
+Conventions (shared with `generate.py`'s JSONL rows):
+- the earlier turns of a (task, sample) are all its turns of all finished rounds, in the
+  order they were generated (`turn` = round * num_turns + turn within the round, 0-based);
+  a window may span two rounds: each of its turns still carries its own answer and feedback;
+- a missing or non-finite reward counts as 0 (the fail reward);
+- ties go to the latest window: with equal evidence the most recent code, written with the
+  most feedback, is the better starting point (and with all-zero rewards "continue from
+  where you were" is the natural choice);
+- fewer earlier turns than `window`: all of them; `window = 0`: a fresh start every round
+  (independent restarts, i.e. parallel sampling spread over rounds).
+
+Metrics per round (`iteration_metrics`): the round's last turn, the best of its turns, and
+the best over every turn so far (the paper's "best candidate across all turns").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+from drkernel import metrics
+from drkernel.prompts import feedback_message, first_turn_messages
+from drkernel.tasks import Task
+
+
+def _reward(x) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return 0.0
+    return v if math.isfinite(v) else 0.0
+
+
+def best_window(rewards: Sequence[float | None], window: int) -> tuple[int, int]:
+    """[start, end) of the `window` consecutive turns with the largest summed reward.
+
+    Ties go to the latest window; with fewer turns than `window` the whole history is kept;
+    `window = 0` keeps nothing (`(n, n)`)."""
+    if window < 0:
+        raise ValueError(f"the STTS window must be >= 0, not {window}")
+    n = len(rewards)
+    if window == 0:
+        return n, n
+    if n <= window:
+        return 0, n
+    values = [_reward(r) for r in rewards]
+    best_start, best_sum = 0, -math.inf
+    for start in range(n - window + 1):
+        total = sum(values[start:start + window])  # windows are short: no running sum needed
+        if total >= best_sum:  # >=: the later window wins a tie
+            best_start, best_sum = start, total
+    return best_start, best_start + window
+
+
+def context_messages(task: Task, turns: Sequence[dict], window: int) -> list[dict]:
+    """The starting conversation of the next round: the task prompt plus the best window.
+
+    `turns` are the earlier turns of one (task, sample) in generation order, as rows with
+    `response` (the answer's text), `reward` and the evaluator's result fields (`verdict`,
+    `error`, `speedup`, ...). The feedback is rendered again from those fields and numbered
+    1..W, so the new conversation reads like an ordinary one of W turns."""
+    start, end = best_window([t.get("reward") for t in turns], window)
+    messages = first_turn_messages(task)
+    for k, turn in enumerate(turns[start:end], 1):
+        messages.append({"role": "assistant", "content": str(turn.get("response") or "")})
+        messages.append({"role": "user", "content": feedback_message(turn, k)})
+    return messages
+
+
+HEADLINE = ("compile_rate", "correct_rate", "geomean_speedup", "mean_speedup",
+            "mean_triton_time_share", "num_samples", "num_missing")
+
+
+def _headline(block: dict, p_values: Sequence[float]) -> dict:
+    out = {k: block.get(k) for k in HEADLINE}
+    out.update({metrics.fast_key(p): block.get(metrics.fast_key(p)) for p in p_values})
+    return out
+
+
+def iteration_metrics(rows: Iterable[dict], expected: Iterable[tuple[int, int]], samples: int,
+                      num_turns: int, iterations: int,
+                      p_values: Sequence[float] = metrics.DEFAULT_P_VALUES) -> list[dict]:
+    """Per round k: `last_turn` (its final turn), `best` (best of its turns) and
+    `best_so_far` (best over every turn of rounds 0..k), each a block of headline metrics
+    (`drkernel.metrics` definitions; missing attempts count as failures).
+
+    `rows` carry `level, problem_id, sample, turn` (global, 0-based) and `iteration`."""
+    rows = [r for r in rows if r.get("iteration") is not None]
+    expected = list(expected)
+    out = []
+    for k in range(iterations):
+        this = [dict(r, turn=int(r["turn"]) - k * num_turns) for r in rows if int(r["iteration"]) == k]
+        upto = [r for r in rows if int(r["iteration"]) <= k]
+        s_this = metrics.summarize(this, expected, samples=samples, turns=num_turns, p_values=p_values)
+        s_upto = metrics.summarize(upto, expected, samples=samples, turns=(k + 1) * num_turns,
+                                   p_values=p_values)
+        out.append({"iteration": k,
+                    "last_turn": _headline(s_this["per_turn"][num_turns - 1], p_values),
+                    "best": _headline(s_this, p_values),
+                    "best_so_far": _headline(s_upto, p_values)})
+    return out
+
+
+def format_iterations(per_iteration: Sequence[dict],
+                      p_values: Sequence[float] = metrics.DEFAULT_P_VALUES) -> str:
+    """A plain-text table: one line per round and scope (last turn / round best / best so far)."""
+    cols = ["correct_rate", *(metrics.fast_key(p) for p in p_values if p > 0), "geomean_speedup"]
+    lines = [["round", "scope", *cols]]
+    for it in per_iteration:
+        for scope in ("last_turn", "best", "best_so_far"):
+            blk = it[scope]
+            cells = []
+            for c in cols:
+                v = blk.get(c)
+                cells.append("-" if v is None else (f"{v:.3f}" if c == "geomean_speedup" else f"{100 * v:.1f}%"))
+            lines.append([str(it["iteration"]), scope, *cells])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    text = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+            for line in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(text)
