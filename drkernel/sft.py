@@ -107,7 +107,10 @@ class SFTLoss:
             logits = model(**inputs).logits[:, :-1]
             loss = F.cross_entropy(logits[mask].float(), labels[mask], reduction="sum")
             return loss + 0.0 * logits.sum() if n == 0 else loss, n
-        out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
+        try:  # logits_to_keep=1: the model computes logits for the last position only
+            out = model(**inputs, output_hidden_states=True, logits_to_keep=1)
+        except TypeError:  # a model without that argument: its full logits are computed (and unused)
+            out = model(**inputs, output_hidden_states=True)
         hidden = out.hidden_states[-1]
         head = _unwrap(model).get_output_embeddings()
         if not self.verified:
@@ -216,6 +219,20 @@ def _point_adapter_at_base(model, name: str) -> None:
         pc.base_model_name_or_path = base
 
 
+def _drop_gguf_marks(model) -> None:
+    """transformers de-quantises a GGUF checkpoint (the offline SmolLM2 default) into ordinary
+    float weights but keeps its GGUF quantizer attached, and that quantizer refuses
+    save_pretrained. The weights are plain tensors now, so we drop the marks: the saved model is
+    then an ordinary checkpoint that load_model reads back."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    quantizer = getattr(base, "hf_quantizer", None)
+    if quantizer is None or "gguf" not in type(quantizer).__name__.lower():
+        return
+    base.hf_quantizer = None
+    if hasattr(base.config, "quantization_config"):
+        del base.config.quantization_config
+
+
 def train(cfg: SFTConfig) -> dict:
     """Run SFT; return a summary (steps, last loss, paths)."""
     import torch
@@ -249,6 +266,7 @@ def train(cfg: SFTConfig) -> dict:
                        lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                        lora_target_modules=cfg.lora_target_modules,
                        attn_implementation=cfg.attn_implementation)
+    _drop_gguf_marks(model)
     _point_adapter_at_base(model, cfg.model)
     model.config.use_cache = False
     params = [p for p in model.parameters() if p.requires_grad]
