@@ -1,6 +1,6 @@
 """Hack-detection benchmark (GPU): every hostile and legit fixture through the evaluator.
 
-Reads tests/fixtures/{hacks,legit}/*.py (headers `# task:`, `# expect:`, `# device:`),
+Reads tests/fixtures/{hacks,faults,legit}/*.py (headers `# task:`, `# expect:`, `# device:`),
 evaluates each on the GPU against its bundled task, and checks the verdict and hack code.
 Also evaluates the level-2 "GEMM in torch + Triton epilogue" solution, whose Triton time
 share must stay under 0.3.
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("--kernelbench", default="../shared/kernelbench")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "hacks.json"))
     args = ap.parse_args()
-    files = sorted((ROOT / "tests/fixtures/hacks").glob("*.py")) + sorted((ROOT / "tests/fixtures/legit").glob("*.py"))
+    files = [f for d in ("hacks", "faults", "legit") for f in sorted((ROOT / "tests/fixtures" / d).glob("*.py"))]
     rows = []
     with Evaluator(EvalConfig(device=args.device, trials=3, perf_trials=30)) as ev:
         for f in files:

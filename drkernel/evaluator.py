@@ -64,6 +64,9 @@ class EvalConfig:
     side_stream_slack_ms: float = 0.1
     max_rss_mb: int = 0  # 0: no limit beyond the sandbox default
     max_output_chars: int = 20000
+    # False only to measure torch-only candidates (baselines, the reference timed against itself):
+    # then no Triton launch is required and the decoy checks are off. Never for rewards.
+    require_triton: bool = True
 
 
 @dataclasses.dataclass
@@ -124,6 +127,10 @@ class _LaunchRecorder:
     def __init__(self):
         self.candidate_file: str | None = None
         self.calls: list[dict] | None = None  # launches of the current forward call
+        # The launched tensors stay referenced until `end()`: otherwise the caching allocator can
+        # hand a decoy's freed scratch buffer to the torch-made output, whose storage would then
+        # look as if a candidate kernel had written it.
+        self.alive: list[Any] = []
         self.count = 0
         self.detail = True
         self.installed: list[tuple[Any, str, Any]] = []
@@ -183,17 +190,22 @@ class _LaunchRecorder:
                 try:
                     st = a.untyped_storage()
                     tensors.append((a.data_ptr(), a.numel() * a.element_size(), st.data_ptr(), st.nbytes()))
+                    self.alive.append(a)
                 except Exception:
                     pass
         self.calls.append({"name": getattr(fn, "__name__", "?"), "tensors": tensors})
 
     def begin(self):
         self.calls = []
+        self.alive = []
         self.count = 0
 
     def end(self) -> list[dict]:
         out, self.calls = self.calls or [], None
         return out
+
+    def release(self):
+        self.alive = []
 
 
 _RECORDER = _LaunchRecorder()
@@ -325,6 +337,17 @@ def _tols(dtype, cfg: dict) -> tuple[float, float, float]:
     return cfg["atol_fp32"], cfg["rtol_fp32"], cfg["rel_l2_fp32"]
 
 
+_CHUNK = 1 << 24  # elements per comparison chunk: float64 temporaries stay ~128 MB at any size
+
+
+def _chunks(*ts):
+    """Matching float64 slices of equally sized tensors. KernelBench outputs reach billions of
+    elements; comparing them whole in float64 would need several times their size again."""
+    flats = [t.detach().reshape(-1) for t in ts]
+    for start in range(0, flats[0].numel(), _CHUNK):
+        yield [f[start:start + _CHUNK].double() for f in flats]
+
+
 def _compare_tensor(c, r, atol, rtol, rel_l2) -> dict:
     """Elementwise atol + rtol*|ref|, relative L2, and matching NaN/inf positions."""
     import torch
@@ -341,29 +364,32 @@ def _compare_tensor(c, r, atol, rtol, rel_l2) -> dict:
             diff = (c.long() - r.long()).abs().max().item() if c.numel() else 0
             res["max_abs"] = float(diff)
         return {**res, "ok": ok, "why": "" if ok else "integer/bool values differ"}
-    c64, r64 = c.detach().double(), r.detach().double()
-    if c64.numel() == 0:
+    n_fin = n_bad = 0
+    sq_err = sq_ref = 0.0
+    for c64, r64 in _chunks(c, r):
+        if not torch.equal(torch.isnan(c64), torch.isnan(r64)):
+            return {**res, "ok": False, "why": "NaN positions differ from the reference"}
+        ri = torch.isinf(r64)
+        if not torch.equal(torch.isinf(c64), ri) or not torch.equal(c64[ri], r64[ri]):
+            return {**res, "ok": False, "why": "inf positions differ from the reference"}
+        fin = torch.isfinite(r64)
+        cf, rf = c64[fin], r64[fin]
+        if cf.numel() == 0:
+            continue
+        err = (cf - rf).abs()
+        res["max_abs"] = max(res["max_abs"], float(err.max().item()))
+        res["max_rel"] = max(res["max_rel"], float((err / rf.abs().clamp_min(1e-12)).max().item()))
+        n_bad += int((err > (atol + rtol * rf.abs())).sum().item())
+        n_fin += cf.numel()
+        sq_err += float((err * err).sum().item())
+        sq_ref += float((rf * rf).sum().item())
+    if n_fin == 0:
         return res
-    cn, rn = torch.isnan(c64), torch.isnan(r64)
-    if not torch.equal(cn, rn):
-        return {**res, "ok": False, "why": "NaN positions differ from the reference"}
-    ci, ri = torch.isinf(c64), torch.isinf(r64)
-    if not torch.equal(ci, ri) or not torch.equal(c64[ri], r64[ri]):
-        return {**res, "ok": False, "why": "inf positions differ from the reference"}
-    fin = torch.isfinite(r64)
-    cf, rf = c64[fin], r64[fin]
-    if cf.numel() == 0:
-        return res
-    err = (cf - rf).abs()
-    res["max_abs"] = float(err.max().item())
-    res["max_rel"] = float((err / rf.abs().clamp_min(1e-12)).max().item())
-    bad = err > (atol + rtol * rf.abs())
-    nref = float(torch.linalg.vector_norm(rf).item())
-    nerr = float(torch.linalg.vector_norm(cf - rf).item())
+    nref, nerr = math.sqrt(sq_ref), math.sqrt(sq_err)
     res["rel_l2"] = nerr / nref if nref > 0 else (0.0 if nerr == 0 else float("inf"))
-    if bool(bad.any()):
+    if n_bad:
         res["ok"] = False
-        res["why"] = f"{int(bad.sum().item())}/{bad.numel()} elements outside atol={atol:g} rtol={rtol:g}"
+        res["why"] = f"{n_bad}/{n_fin} elements outside atol={atol:g} rtol={rtol:g}"
     elif nref > 0 and res["rel_l2"] > rel_l2:
         res["ok"] = False
         res["why"] = f"relative L2 error {res['rel_l2']:.3g} > {rel_l2:g}"
@@ -371,7 +397,6 @@ def _compare_tensor(c, r, atol, rtol, rel_l2) -> dict:
 
 
 def _compare(out, ref, cfg: dict, loose: bool = False) -> dict:
-    import torch
     if _structure(out) != _structure(ref):
         return {"ok": False, "structure": True, "why": f"output structure {_structure(out)} vs reference {_structure(ref)}",
                 "max_abs": None, "max_rel": None, "rel_l2": None}
@@ -400,22 +425,28 @@ def _degenerate(out, ref, inputs, cfg: dict) -> str | None:
     for c, r in zip(_tensors(out), _tensors(ref)):
         if not r.is_floating_point() or r.numel() < 2 or c.shape != r.shape or c.dtype != r.dtype:
             continue
-        r64, c64 = r.double(), c.double()
-        if not bool(torch.isfinite(r64).all()) or not bool(torch.isfinite(c64).all()):
+        total, finite = 0.0, True
+        for r64, c64 in _chunks(r, c):
+            finite = finite and bool(torch.isfinite(r64).all()) and bool(torch.isfinite(c64).all())
+            total += float(r64.sum().item())
+        if not finite:
             continue
         atol, rtol, _ = _tols(r.dtype, cfg)
-        trivials = [("zeros", torch.zeros_like(r64)), ("a constant", torch.full_like(r64, r64.mean().item()))]
-        trivials += [(f"input {i}", t.double()) for i, t in enumerate(in_ts)
-                     if t.shape == r.shape and t.dtype == r.dtype]
-        scale = float(r64.abs().max().item())
-        for name, t in trivials:
-            gap = float((r64 - t).abs().max().item())
-            if gap <= 1e-6 * scale + 1e-30:
+        mean = total / r.numel()
+        same = [(i, t) for i, t in enumerate(in_ts) if t.shape == r.shape and t.dtype == r.dtype]
+        names = ["zeros", "a constant"] + [f"input {i}" for i, _ in same]
+        gap, dist, passes, scale = [0.0] * len(names), [0.0] * len(names), [True] * len(names), 0.0
+        for r64, c64, *ins in _chunks(r, c, *[t for _, t in same]):
+            scale = max(scale, float(r64.abs().max().item()))
+            for k, t in enumerate([torch.zeros_like(r64), torch.full_like(r64, mean)] + ins):
+                d = (r64 - t).abs()
+                gap[k] = max(gap[k], float(d.max().item()))
+                passes[k] = passes[k] and bool((d <= atol + rtol * r64.abs()).all())
+                dist[k] = max(dist[k], float((c64 - t).abs().max().item()))
+        for k, name in enumerate(names):
+            if gap[k] <= 1e-6 * scale + 1e-30:
                 continue  # the reference really is this trivial answer
-            passes = bool(((t - r64).abs() <= atol + rtol * r64.abs()).all())
-            if not passes:
-                continue
-            if float((c64 - t).abs().max().item()) <= 0.1 * gap:
+            if passes[k] and dist[k] <= 0.1 * gap[k]:
                 return f"output ≈ {name}, which passes the tolerance on this problem while the reference differs"
     return None
 
@@ -465,8 +496,6 @@ def _clone(obj):
 
 
 def _poison(obj):
-    import torch
-
     def p(t):
         try:
             if t.is_floating_point():
@@ -692,7 +721,11 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     del ref_model, rt
     _cleanup(device)
 
-    # 4. launch hook, then the snapshot (which includes the hook)
+    # 4. launch hook, then the snapshot (which includes the hook). Importing torch._dynamo (done
+    # lazily by torch.profiler and torch.compile) rebinds torch.manual_seed; import it now so
+    # that our own profiling later is not mistaken for a patch by the candidate.
+    import torch._dynamo  # noqa: F401
+    import torch.profiler  # noqa: F401
     cand_file = os.path.realpath(candidate_path)
     _RECORDER.candidate_file = cand_file
     watched = _RECORDER.install()
@@ -787,7 +820,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
         launched_names.update(names)
         if prev_outs and _overlap(_ranges(outs_t), _ranges([t for o in prev_outs for t in _tensors(o)])):
             hack("output_cached", f"trial {ti}: output shares storage with an earlier call's output")
-        if not launches:
+        if not launches and cfg["require_triton"]:
             hack("no_triton_kernel", f"trial {ti}: forward launched no Triton kernel defined in the candidate file")
         launch_ranges = [(p0, p0 + nb) for l in launches for (_, _, p0, nb) in l["tensors"]]
         out_ranges = _ranges(outs_t)
@@ -797,7 +830,8 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
         uniq = {(ptr, nb) for l in launches for (ptr, nb, _, _) in l["tensors"]}
         launch_bytes = sum(nb for _, nb in uniq)
         total = _nbytes(in_ts) + _nbytes(outs_t)
-        if launches and not out_from_triton and total > 0 and launch_bytes < cfg["decoy_bytes_frac"] * total:
+        if (cfg["require_triton"] and launches and not out_from_triton and total > 0
+                and launch_bytes < cfg["decoy_bytes_frac"] * total):
             hack("decoy_kernel", f"trial {ti}: output never passed to a candidate Triton launch and the launches "
                                  f"touch {launch_bytes} of {total} input+output bytes")
         mutated = any(not _same_values(a, b) for a, b in zip(in_ts, _tensors(pristine)))
@@ -873,7 +907,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
         raise _Stop("runtime_error", _exc_error("forward raised while timing", exc))
     with torch.no_grad():
         check_integrity("after timing")
-    if any(c == 0 for c in ct["launch_counts"]):
+    if cfg["require_triton"] and any(c == 0 for c in ct["launch_counts"]):
         hack("no_triton_kernel", "a timed call launched no candidate Triton kernel")
     cand_ms = _median(ct["event_ms"])
     details["candidate_host_ms"] = _median(ct["host_ms"])
@@ -941,7 +975,8 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
                 out["triton_time_share"] = prof.get("triton_time_share")
                 out["kernels"] = prof.get("kernels")
                 share = prof.get("triton_time_share")
-                if share is not None and share < cfg["decoy_share"] and not out_from_triton_all:
+                if (cfg["require_triton"] and share is not None and share < cfg["decoy_share"]
+                        and not out_from_triton_all):
                     hack("decoy_kernel", f"candidate kernels are {share:.1%} of device time and the output "
                                          f"is not produced by them")
 
@@ -959,23 +994,6 @@ def _cuda_available() -> bool:
         return bool(torch.cuda.is_available())
     except Exception:
         return False
-
-
-def _child_main() -> None:
-    """Fallback runner (no drkernel.sandbox): `python -m drkernel.evaluator --_child ARGS.json OUT.json`."""
-    args_path, out_path = sys.argv[2], sys.argv[3]
-    with open(args_path) as fh:
-        kwargs = json.load(fh)
-    try:
-        value = _child_evaluate(**kwargs)
-        payload = {"status": "ok", "value": value}
-    except BaseException as exc:
-        payload = {"status": "exception", "error": f"{type(exc).__name__}: {exc}", "traceback": _excerpt_exc(exc)}
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(payload, fh, default=_json_default)
-    os.replace(tmp, out_path)
-    os._exit(0)
 
 
 # ======================================================================================
@@ -1056,100 +1074,17 @@ def _map_status(res: Any) -> EvalResult:
     return r
 
 
-@dataclasses.dataclass
-class _FallbackResult:
-    status: str
-    value: Any = None
-    error: str | None = None
-    traceback: str | None = None
-    stdout: str = ""
-    stderr: str = ""
-    exitcode: int | None = None
-    signal: int | None = None
-    wall_s: float = 0.0
-
-
-def _fallback_run(kwargs: dict, timeout_s: float, env: dict, max_rss_mb: int, max_chars: int) -> _FallbackResult:
-    """A plain subprocess with limits; used only when drkernel.sandbox is unavailable."""
-    with tempfile.TemporaryDirectory(prefix="drk_run_") as d:
-        ap, op = os.path.join(d, "args.json"), os.path.join(d, "out.json")
-        with open(ap, "w") as fh:
-            json.dump(kwargs, fh)
-        full_env = dict(os.environ)
-        full_env.update(env)
-        root = str(Path(__file__).resolve().parent.parent)
-        full_env["PYTHONPATH"] = root + os.pathsep + full_env.get("PYTHONPATH", "")
-
-        def limits():
-            import resource
-            os.setsid()
-            if max_rss_mb:
-                b = int(max_rss_mb) * 1024 * 1024
-                resource.setrlimit(resource.RLIMIT_AS, (b, b))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-        so, se = open(os.path.join(d, "so"), "wb"), open(os.path.join(d, "se"), "wb")
-        t0 = _perf()
-        p = subprocess.Popen([sys.executable, "-m", "drkernel.evaluator", "--_child", ap, op], stdout=so,
-                             stderr=se, env=full_env, cwd=d, preexec_fn=limits)
-        timed_out = False
-        try:
-            p.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.killpg(p.pid, 9)
-            except OSError:
-                p.kill()
-            p.wait()
-        so.close()
-        se.close()
-
-        def tail(path):
-            with open(path, "rb") as fh:
-                fh.seek(0, 2)
-                size = fh.tell()
-                fh.seek(max(0, size - max_chars))
-                return fh.read().decode("utf-8", "replace")
-        stdout, stderr = tail(os.path.join(d, "so")), tail(os.path.join(d, "se"))
-        wall = _perf() - t0
-        base = dict(stdout=stdout, stderr=stderr, exitcode=p.returncode, wall_s=wall)
-        if timed_out:
-            return _FallbackResult("timeout", **base)
-        if os.path.isfile(op):
-            try:
-                with open(op) as fh:
-                    payload = json.load(fh)
-            except Exception as exc:
-                return _FallbackResult("sandbox_error", error=str(exc), **base)
-            return _FallbackResult(payload["status"], value=payload.get("value"), error=payload.get("error"),
-                                   traceback=payload.get("traceback"), **base)
-        if p.returncode is not None and p.returncode < 0:
-            return _FallbackResult("signal", signal=-p.returncode, **base)
-        if "MemoryError" in stderr or "out of memory" in stderr.lower():
-            return _FallbackResult("oom", **base)
-        return _FallbackResult("exit_no_result", **base)
-
-
 def _limits(cfg: EvalConfig):
     from drkernel.sandbox import SandboxLimits
-    names = {f.name for f in dataclasses.fields(SandboxLimits)} if dataclasses.is_dataclass(SandboxLimits) else set()
-    kw: dict[str, Any] = {"timeout_s": float(cfg.timeout)}
-    if cfg.max_rss_mb and (not names or "max_rss_mb" in names):
+    kw: dict[str, Any] = {"timeout_s": float(cfg.timeout), "max_output_chars": int(cfg.max_output_chars)}
+    if cfg.max_rss_mb:
         kw["max_rss_mb"] = int(cfg.max_rss_mb)
-    if not names or "max_output_chars" in names:
-        kw["max_output_chars"] = int(cfg.max_output_chars)
     return SandboxLimits(**kw)
 
 
-def _have_sandbox() -> bool:
-    if os.environ.get("DRKERNEL_NO_SANDBOX") == "1":
-        return False
-    try:
-        import drkernel.sandbox  # noqa: F401
-        return hasattr(drkernel.sandbox, "ForkServer")
-    except Exception:
-        return False
+# What the fork server imports once, so that no evaluation pays for it: torch._dynamo and
+# torch.profiler are imported by every child before its integrity snapshot (see step 4).
+_PRELOAD = ("torch", "triton", "torch._dynamo", "torch.profiler")
 
 
 class _Prepared:
@@ -1219,16 +1154,14 @@ def evaluate(reference, candidate, cfg: EvalConfig | None = None, sandbox=None) 
         if prep.early is not None:
             return _finish(prep.early, cfg, _perf() - t0)
         env = _sandbox_env(cfg.device)
-        if sandbox is None and _have_sandbox():
+        if sandbox is None:
             from drkernel.sandbox import ForkServer
             with _owned_server(ForkServer, env) as server:
                 res = server.run(target="drkernel.evaluator:_child_evaluate", kwargs=prep.kwargs(),
                                  limits=_limits(cfg), env=env)
-        elif sandbox is not None:
+        else:
             res = sandbox.run(target="drkernel.evaluator:_child_evaluate", kwargs=prep.kwargs(),
                               limits=_limits(cfg), env=env)
-        else:
-            res = _fallback_run(prep.kwargs(), cfg.timeout, env, cfg.max_rss_mb, cfg.max_output_chars)
         return _finish(_map_status(res), cfg, _perf() - t0)
     finally:
         prep.close()
@@ -1236,7 +1169,7 @@ def evaluate(reference, candidate, cfg: EvalConfig | None = None, sandbox=None) 
 
 @contextlib.contextmanager
 def _owned_server(cls, env):
-    server = cls(env=env)
+    server = cls(env=env, preload=_PRELOAD)
     try:
         yield server
     finally:
@@ -1254,8 +1187,6 @@ class Evaluator:
         self.pool = None
         self.server = None
         env = _sandbox_env(self.cfg.device)
-        if not _have_sandbox():
-            return
         import drkernel.sandbox as sb
         n_gpu = 0
         if self.cfg.device in ("auto", "cuda") and _cuda_available_parent():
@@ -1274,12 +1205,9 @@ class Evaluator:
             if n_gpu > 1:
                 ids = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(n_gpu)))).split(",")
                 per = [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)].strip()} for i in range(workers)]
-            try:
-                self.pool = sb.SandboxPool(workers, env, per)
-            except TypeError:
-                self.pool = sb.SandboxPool(workers, env)
+            self.pool = sb.SandboxPool(workers, env, per, preload=_PRELOAD)
         else:
-            self.server = sb.ForkServer(env=env)
+            self.server = sb.ForkServer(env=env, preload=_PRELOAD)
 
     def evaluate(self, reference, candidate) -> EvalResult:
         return evaluate(reference, candidate, self.cfg, sandbox=self.server)
@@ -1333,10 +1261,6 @@ class _ArgParser(argparse.ArgumentParser):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--_child"]:
-        sys.argv = [sys.argv[0]] + argv
-        _child_main()
-        return 0
     p = _ArgParser(prog="python -m drkernel.evaluator", description="Evaluate a ModelNew candidate.")
     p.add_argument("--reference", required=True)
     p.add_argument("--candidate", required=True)

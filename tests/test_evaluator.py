@@ -208,3 +208,41 @@ def test_cli_json_and_exit_codes(tmp_path):
     assert p2.returncode == 2 and "no such file" in p2.stderr
     p3 = _cli("--reference", str(TASKS / "1_ReLU.py"), "--candidate", str(bad), "--bogus")
     assert p3.returncode == 2
+
+
+def test_require_triton_off_measures_torch_candidates_only_when_asked():
+    """The reference timed against itself: hacked by default (no Triton), correct when the
+    caller explicitly measures torch-only candidates (`require_triton=False`)."""
+    ref = (TASKS / "1_ReLU.py").read_text()
+    as_candidate = ref + "\n\nclass ModelNew(Model):\n    pass\n"
+    strict = evaluate(ref, as_candidate, cfg())
+    assert strict.verdict == "hacked" and "no_triton_kernel" in strict.hacks
+    loose = evaluate(ref, as_candidate, cfg(require_triton=False))
+    assert loose.verdict == "correct", (loose.verdict, loose.hacks, loose.error)
+    assert loose.speedup is not None and loose.speedup > 0
+
+
+def test_chunked_comparison_matches_whole_tensor(monkeypatch):
+    """Outputs are compared in float64 chunks (KernelBench outputs reach billions of elements);
+    the verdict and the error measures must not depend on the chunk size."""
+    import torch
+    from drkernel import evaluator as ev
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(1000, generator=g)
+    c = r + 1e-3 * torch.randn(1000, generator=g)
+    c[17] = r[17] + 0.5
+    whole = ev._compare_tensor(c, r, 1e-4, 1e-4, 1e-3)
+    monkeypatch.setattr(ev, "_CHUNK", 64)
+    chunked = ev._compare_tensor(c, r, 1e-4, 1e-4, 1e-3)
+    assert chunked["ok"] is whole["ok"] is False and chunked["why"] == whole["why"]
+    for k in ("max_abs", "max_rel", "rel_l2"):
+        assert abs(chunked[k] - whole[k]) <= 1e-12 * max(1.0, whole[k]), k
+    zeros_like_answer = torch.zeros(1000)
+    tiny_ref = torch.full((1000,), 1e-6) + 1e-7 * torch.rand(1000, generator=g)
+    assert ev._degenerate(zeros_like_answer, tiny_ref, [torch.rand(5)], dataclasses_cfg()) is not None
+
+
+def dataclasses_cfg():
+    import dataclasses
+    return dataclasses.asdict(EvalConfig())
