@@ -68,7 +68,7 @@ def main() -> None:
             row = dict(case=label, verdict=verdicts[-1], verdicts=verdicts, hacks=last.hacks,
                        error=(last.error or "")[:200], ref_ms=last.ref_ms, candidate_ms=last.candidate_ms,
                        speedups=speedups, wall_s=walls, median_wall_s=statistics.median(walls),
-                       triton_time_share=last.triton_time_share,
+                       triton_time_share=last.triton_time_share, phase_s=last.details.get("phase_s"),
                        spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -664,6 +664,15 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
         if stop:
             raise _Hacked(code, detail)
 
+    # Seconds per phase, in details["phase_s"]: where an evaluation's wall time goes.
+    phase_s = details.setdefault("phase_s", {})
+    clock = [_perf()]
+
+    def mark(finished: str):
+        now = _perf()
+        phase_s[finished] = round(now - clock[0], 4)
+        clock[0] = now
+
     # 1. device and true fp32 for the reference
     dev = str(cfg["device"])
     if dev == "cpu" or dev == "auto" and not _cuda_available():
@@ -684,6 +693,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     torch.set_float32_matmul_precision("highest")
     seed = int(cfg["seed"])
 
+    mark("device_setup")
     # 2. reference module (not left in sys.modules), then the integrity snapshot
     from drkernel import integrity
     ref_name = "_drk_ref_" + hashlib.sha1(os.urandom(8)).hexdigest()[:10]
@@ -701,6 +711,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     perf_n = int(cfg["perf_trials"]) if device.type == "cuda" else int(cfg["cpu_perf_trials"])
     out["timing"] = "cuda_events" if device.type == "cuda" else "cpu_wall"
 
+    mark("reference_import")
     # 3. time the reference before any candidate code exists
     with timer.lock():
         ref_model = _build(ref_cls, init_inputs(), seed, device)
@@ -721,6 +732,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     del ref_model, rt
     _cleanup(device)
 
+    mark("reference_timing")
     # 4. launch hook, then the snapshot (which includes the hook). Importing torch._dynamo (done
     # lazily by torch.profiler and torch.compile) rebinds torch.manual_seed; import it now so
     # that our own profiling later is not mistaken for a patch by the candidate.
@@ -760,6 +772,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
         if new_threads:
             hack("thread_spawned", f"{where}: {len(new_threads)} new Python thread(s) alive")
 
+    mark("snapshot")
     # 5. import the candidate
     try:
         with torch.no_grad():
@@ -773,6 +786,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
         raise _Stop("compile_error", "no ModelNew defined in the candidate")
     out["compiled"] = True
 
+    mark("candidate_import")
     # 6. construct with the reference's seed
     try:
         with torch.no_grad():
@@ -783,6 +797,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
         check_integrity("after construction")
     native0 = integrity.native_threads()
 
+    mark("construct")
     # 7. correctness
     n_trials = int(cfg["trials"])
     n_signed = (2 if n_trials >= 4 else 1) if cfg["second_distribution"] else 0
@@ -892,6 +907,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     details["launched_kernels"] = sorted(launched_names)
     _cleanup(device)
 
+    mark("correctness")
     # 9. timing the candidate
     sr = random.SystemRandom()
     with torch.no_grad():
@@ -954,6 +970,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     out["candidate_ms"] = cand_ms
     out["speedup"] = speed
 
+    mark("candidate_timing")
     # 10. profiling
     if device.type == "cuda" and cfg["profile"]:
         try:
@@ -980,6 +997,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
                     hack("decoy_kernel", f"candidate kernels are {share:.1%} of device time and the output "
                                          f"is not produced by them")
 
+    mark("profiling")
     # 11. final integrity check
     with torch.no_grad():
         check_integrity("final")
