@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--perf-trials", type=int, default=100)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only matching cases")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "evaluator.json"))
     args = ap.parse_args()
 
@@ -51,6 +52,9 @@ def main() -> None:
         t = tasks[(level, pid)]
         cases.append((f"ref_self_L{level}_{t.name[:-3]}", t, reference_as_candidate(t.code), True))
 
+    if args.only:
+        keys = [k for k in args.only.split(",") if k]
+        cases = [c for c in cases if any(k in c[0] for k in keys)]
     rows = []
     base = dict(device=args.device, trials=args.trials, perf_trials=args.perf_trials)
     with Evaluator(EvalConfig(**base)) as strict, Evaluator(EvalConfig(**base, require_triton=False)) as loose:

