@@ -42,10 +42,13 @@ def check(expect: str, res) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", default="", help="comma-separated substrings of fixture names to run")
     ap.add_argument("--kernelbench", default="../shared/kernelbench")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "hacks.json"))
     args = ap.parse_args()
     files = [f for d in ("hacks", "faults", "legit") for f in sorted((ROOT / "tests/fixtures" / d).glob("*.py"))]
+    if args.only:
+        files = [f for f in files if any(k in f.name for k in args.only.split(",") if k)]
     rows = []
     with Evaluator(EvalConfig(device=args.device, trials=3, perf_trials=30)) as ev:
         for f in files:
@@ -57,6 +60,8 @@ def main() -> None:
                              share=res.triton_time_share))
             print(json.dumps(rows[-1]), flush=True)
         for sol in sorted((ROOT / "bench/solutions").glob("level2_*torch_gemm*.py")):
+            if args.only and not any(k in sol.name for k in args.only.split(",") if k):
+                continue
             pid = int(sol.name.split("_")[1])
             task = next(t for t in load_kernelbench(args.kernelbench, 2) if t.problem_id == pid)
             res = ev.evaluate(task.code, sol.read_text())

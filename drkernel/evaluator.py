@@ -132,6 +132,10 @@ class _LaunchRecorder:
         # look as if a candidate kernel had written it.
         self.alive: list[Any] = []
         self.count = 0
+        # CUDA: the stream the evaluator calls forward on; a candidate launch on any other stream
+        # escapes the CUDA events around the call, whatever the problem size (`side_stream`).
+        self.expected_stream: Any = None
+        self.off_stream: list[str] = []
         self.detail = True
         self.installed: list[tuple[Any, str, Any]] = []
 
@@ -181,9 +185,15 @@ class _LaunchRecorder:
         except Exception:
             return
         self.count += 1
+        import torch
+        if self.expected_stream is not None:
+            try:
+                if torch.cuda.current_stream() != self.expected_stream:
+                    self.off_stream.append(getattr(fn, "__name__", "?"))
+            except Exception:
+                pass
         if self.calls is None or not self.detail:
             return
-        import torch
         tensors = []
         for a in list(args) + list(kwargs.values()):
             if isinstance(a, torch.Tensor):
@@ -741,6 +751,8 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     cand_file = os.path.realpath(candidate_path)
     _RECORDER.candidate_file = cand_file
     watched = _RECORDER.install()
+    if device.type == "cuda":
+        _RECORDER.expected_stream = torch.cuda.current_stream(device)
     own = {f"drkernel.evaluator.{k}": (sys.modules[__name__], k) for k, v in list(globals().items())
            if callable(v) and not k.startswith("__")}
     own.update({f"drkernel.integrity.{k}": (integrity, k) for k, v in vars(integrity).items()
@@ -837,6 +849,9 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
             hack("output_cached", f"trial {ti}: output shares storage with an earlier call's output")
         if not launches and cfg["require_triton"]:
             hack("no_triton_kernel", f"trial {ti}: forward launched no Triton kernel defined in the candidate file")
+        if _RECORDER.off_stream:
+            hack("side_stream", f"trial {ti}: kernel(s) {', '.join(sorted(set(_RECORDER.off_stream)))} launched on "
+                                "a stream other than the one forward was called on")
         launch_ranges = [(p0, p0 + nb) for l in launches for (_, _, p0, nb) in l["tensors"]]
         out_ranges = _ranges(outs_t)
         out_from_triton = bool(out_ranges) and _overlap(out_ranges, launch_ranges)
@@ -925,6 +940,9 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
         check_integrity("after timing")
     if cfg["require_triton"] and any(c == 0 for c in ct["launch_counts"]):
         hack("no_triton_kernel", "a timed call launched no candidate Triton kernel")
+    if _RECORDER.off_stream:
+        hack("side_stream", f"timed calls launched {', '.join(sorted(set(_RECORDER.off_stream)))} on a stream other "
+                            "than the one forward was called on")
     cand_ms = _median(ct["event_ms"])
     details["candidate_host_ms"] = _median(ct["host_ms"])
     if device.type == "cuda":
