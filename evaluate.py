@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
 from drkernel.config import parse_config
+from drkernel.evaluator import resolve_device
+from drkernel.jsonl import JsonlWriter, read_jsonl
 
 RESULTS_FILE = "results.jsonl"
 KEY_FIELDS = ("level", "problem_id", "sample", "turn")
@@ -62,17 +62,6 @@ class EvaluateConfig:
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in str(text).replace(" ", "").split(",") if x]
-
-
-def resolve_device(device: str) -> str:
-    """`auto` → `cuda` when a GPU is visible, else `cpu`; on cpu turn on Triton's interpreter."""
-    if device == "auto":
-        import torch  # importing torch does not import triton's jit
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    return device
 
 
 def make_evaluator(cfg: EvaluateConfig, device: str):
@@ -176,60 +165,15 @@ def read_results(path: Path) -> tuple[list[dict], int]:
     """Rows of results.jsonl; lines that are not complete JSON objects (a write cut by a kill)
     are skipped and counted."""
     rows, bad = [], 0
-    if not path.exists():
-        return rows, bad
-    with open(path, "rb") as fh:
-        for raw in fh:
-            line = raw.decode("utf-8", errors="replace").strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-                row_key(row)
-            except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
-                bad += 1
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-            else:
-                bad += 1
-    return rows, bad
-
-
-class ResultsWriter:
-    """Appends rows to results.jsonl, one line each, flushed and fsynced as they come."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # a partial last line (killed mid-write) must not swallow the next row
-        if path.exists() and path.stat().st_size:
-            with open(path, "rb") as fh:
-                fh.seek(-1, os.SEEK_END)
-                ends_clean = fh.read(1) == b"\n"
-            if not ends_clean:
-                with open(path, "ab") as fh:
-                    fh.write(b"\n")
-        self.fh = open(path, "a", encoding="utf-8")
-
-    def write(self, row: dict) -> None:
-        self.fh.write(json.dumps(_clean(row), default=repr, allow_nan=False) + "\n")
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-
-    def close(self) -> None:
-        self.fh.close()
-
-
-def _clean(obj):
-    """Strict JSON: NaN/inf become null (json would write bare NaN)."""
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
+    found, unreadable = read_jsonl(path)
+    for row in found:
+        try:
+            row_key(row)
+        except (TypeError, ValueError, AttributeError):
+            bad += 1
+            continue
+        rows.append(row)
+    return rows, bad + unreadable
 
 
 def _sha(text: str | None) -> str | None:
@@ -313,7 +257,7 @@ def main(argv=None) -> dict:
     idents = [(c, task, _identity(c, task, ref_shas[task.key], cfg.baseline)) for c, task in matched]
     pending = [(c, t, i) for c, t, i in idents if not _same_attempt(done.get(row_key(i)), i)]
 
-    writer = ResultsWriter(results_path)
+    writer = JsonlWriter(results_path)
     new_rows = []
     try:
         todo = [(c, t, i) for c, t, i in pending if c.get("code") is not None]

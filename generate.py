@@ -28,8 +28,6 @@ the missing rows and never duplicates one. A later STTS round is rebuilt from th
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 import shutil
 import sys
@@ -39,6 +37,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from drkernel.config import parse_config
+from drkernel.evaluator import resolve_device
+from drkernel.jsonl import JsonlWriter, json_safe, read_jsonl, write_json
 
 ROW_RESULT_FIELDS = ("verdict", "compiled", "correct", "speedup", "triton_time_share", "hacks", "error",
                      "ref_ms", "candidate_ms", "max_abs_err", "max_rel_err", "kernels", "timing")
@@ -114,18 +114,6 @@ def check_config(cfg: GenerateConfig) -> None:
         raise SystemExit("generate.py: " + "; ".join(problems))
 
 
-def resolve_device(device: str) -> str:
-    """`auto` -> cuda when a GPU is visible, else cpu; on cpu Triton runs in its interpreter
-    (set before anything imports triton)."""
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    return device
-
-
 # --------------------------------------------------------------------------------------
 # policy and evaluator
 # --------------------------------------------------------------------------------------
@@ -191,17 +179,6 @@ def make_evaluate_fn(evaluator, reference_dir: str | os.PathLike) -> Callable[[l
 # rows and the resumable file
 # --------------------------------------------------------------------------------------
 
-def _clean(obj):
-    """Strict JSON: NaN/inf become null."""
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
 def make_row(task, sample: int, iteration: int, num_turns: int, turn_sample, policy: Policy) -> dict:
     """One JSONL row: identity (evaluate.py's `level, problem_id, sample, turn, code`),
     the response, the evaluator's result and the reward."""
@@ -217,27 +194,7 @@ def make_row(task, sample: int, iteration: int, num_turns: int, turn_sample, pol
     row.update({k: result.get(k) for k in ROW_RESULT_FIELDS})
     row["correct"] = bool(result.get("correct")) and result.get("verdict") == "correct"
     row["hacks"] = list(result.get("hacks") or [])
-    return _clean(row)
-
-
-def read_rows(path: Path) -> tuple[list[dict], int]:
-    """(rows, unreadable lines). A line cut by a kill mid-write is unreadable, not fatal."""
-    rows, bad = [], 0
-    if not path.exists():
-        return rows, bad
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            bad += 1
-    return rows, bad
+    return json_safe(row)
 
 
 def _unit(row: dict) -> tuple[str, int]:
@@ -251,7 +208,7 @@ def resume_rows(path: Path, num_turns: int, policy_name: str) -> tuple[list[dict
     rounds, partial rounds and unreadable lines are dropped, and the file is rewritten
     (atomically) when anything was dropped. Rows from another model or another
     `num_turns` stop the run: mixing them would corrupt the metrics."""
-    rows, bad = read_rows(path)
+    rows, bad = read_jsonl(path)
     needed = ("task_key", "sample", "turn", "iteration", "iter_turn", "level", "problem_id")
     for i, r in enumerate(rows):
         missing = [k for k in needed if r.get(k) is None]
@@ -282,32 +239,12 @@ def resume_rows(path: Path, num_turns: int, policy_name: str) -> tuple[list[dict
     dropped = len(rows) - len(kept) + bad
     if dropped:
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
+        tmp.unlink(missing_ok=True)
+        with JsonlWriter(tmp, sync_each_row=False) as fh:
             for r in kept:
-                fh.write(json.dumps(_clean(r), allow_nan=False) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+                fh.write(r)
         os.replace(tmp, path)
     return kept, dropped
-
-
-class RowWriter:
-    """Appends rows; `flush()` makes them durable (called after every rollout call)."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.fh = open(path, "a", encoding="utf-8")
-
-    def write(self, row: dict) -> None:
-        self.fh.write(json.dumps(_clean(row), allow_nan=False, default=repr) + "\n")
-
-    def flush(self) -> None:
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-
-    def close(self) -> None:
-        self.flush()
-        self.fh.close()
 
 
 # --------------------------------------------------------------------------------------
@@ -354,7 +291,7 @@ def run(cfg: GenerateConfig, tasks: Sequence, policy: Policy, evaluate_fn: Calla
         import torch
 
         torch.manual_seed(cfg.seed)
-    writer = RowWriter(out)
+    writer = JsonlWriter(out, sync_each_row=False)
     try:
         with tqdm(total=len(todo), desc="generate", unit="traj", file=sys.stderr) as bar:
             for start in range(0, len(tasks), cfg.tasks_per_batch):
@@ -443,7 +380,7 @@ def main(argv=None) -> dict:
         shutil.rmtree(ref_dir, ignore_errors=True)
     summary["wall_s"] = time.time() - t0
     path = summary_path(cfg.output)
-    path.write_text(json.dumps(_clean(summary), indent=2, default=repr, allow_nan=False))
+    write_json(path, summary)
     print_summary(summary)
     print(f"[generate] generations: {cfg.output}  summary: {path}  ({summary['wall_s']:.0f} s)")
     return summary

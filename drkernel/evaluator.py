@@ -37,6 +37,18 @@ HACK_CODES = ("no_triton_kernel", "decoy_kernel", "output_cached", "output_alias
               "thread_spawned")
 
 
+def resolve_device(device: str) -> str:
+    """`auto` → `cuda` when a GPU is visible, else `cpu`; on cpu turn on Triton's interpreter
+    (it must be set before anything applies @triton.jit, so scripts call this first)."""
+    if device == "auto":
+        import torch  # importing torch does not import triton's jit
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    return device
+
+
 @dataclasses.dataclass
 class EvalConfig:
     device: str = "auto"  # cpu | cuda | cuda:N | auto

@@ -12,13 +12,13 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
 from typing import Iterable
 
 from drkernel import metrics
+from drkernel.jsonl import write_json
 
 def _columns(summary: dict) -> list[str]:
     fast = [metrics.fast_key(p) for p in summary.get("p_values", metrics.DEFAULT_P_VALUES)]
@@ -75,16 +75,6 @@ def _markdown_table(summary: dict) -> str:
     for name, blk in _rows_for(summary):
         out.append(f"| {name} | " + " | ".join(_fmt(blk.get(c), c) for c in cols) + " |")
     return "\n".join(out)
-
-
-def _json_safe(obj):
-    if isinstance(obj, dict):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 def _plots(summary: dict, rows: list[dict], out: Path, expected, samples, turns) -> list[str]:
@@ -168,9 +158,7 @@ def write_report(summary: dict, rows: Iterable[dict], output_dir: str | os.PathL
         turns = summary.get("num_turns")
     paths = {}
 
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(_json_safe(summary), indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, out / "summary.json")
+    write_json(out / "summary.json", summary)
     paths["summary.json"] = out / "summary.json"
 
     for name in _plots(summary, rows, out, expected, samples, turns):

@@ -1,0 +1,97 @@
+"""Strict, resumable JSON Lines: the row files of generate.py and evaluate.py, and the summaries.
+
+A run may be killed mid-write, so readers skip (and count) a line that is not a complete JSON
+object, and a writer that appends to such a file first ends the cut line, so that the next row
+is not glued to it. Values are written as strict JSON: NaN and ±inf become null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+
+def json_safe(obj: Any) -> Any:
+    """A copy of `obj` with NaN/±inf replaced by None (the json module would write bare NaN)."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def dumps(obj: Any, **kwargs) -> str:
+    return json.dumps(json_safe(obj), allow_nan=False, default=repr, **kwargs)
+
+
+def read_jsonl(path: str | os.PathLike) -> tuple[list[dict], int]:
+    """(rows, unreadable lines): only JSON objects count as rows."""
+    rows, bad = [], 0
+    path = Path(path)
+    if not path.exists():
+        return rows, bad
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        else:
+            bad += 1
+    return rows, bad
+
+
+class JsonlWriter:
+    """Appends rows, one line each. `sync_each_row`: flush and fsync after every row (evaluation
+    rows are expensive); otherwise rows become durable at `flush()` / `close()`."""
+
+    def __init__(self, path: str | os.PathLike, sync_each_row: bool = True):
+        self.path = Path(path)
+        self.sync_each_row = sync_each_row
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and self.path.stat().st_size:
+            with open(self.path, "rb") as fh:
+                fh.seek(-1, os.SEEK_END)
+                cut = fh.read(1) != b"\n"
+            if cut:
+                with open(self.path, "ab") as fh:
+                    fh.write(b"\n")
+        self.fh = open(self.path, "a", encoding="utf-8")
+
+    def write(self, row: dict) -> None:
+        self.fh.write(dumps(row) + "\n")
+        if self.sync_each_row:
+            self.flush()
+
+    def flush(self) -> None:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+
+    def close(self) -> None:
+        if not self.fh.closed:
+            self.flush()
+            self.fh.close()
+
+    def __enter__(self) -> "JsonlWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """A whole JSON document, replaced atomically (a kill leaves the old or the new file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
