@@ -68,7 +68,10 @@ def build_model(shape: dict, device: str, dtype: torch.dtype):
     cfg.use_cache = False
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        except TypeError:  # older transformers
+            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
     return model.to(device=device, dtype=dtype)
 
 

@@ -35,6 +35,7 @@ import math
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -564,8 +565,10 @@ def policy_update(model, optimizer, samples: Sequence[UpdateSample], cfg: TrainC
             if total > 0:
                 optimizer.step()
             losses.append(_global_sum(accelerator, local_loss) / total if total > 0 else 0.0)
-        if scheduler is not None:
-            scheduler.step()
+        if scheduler is not None:  # the schedule follows steps, also when there was nothing to learn
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step")
+                scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     metrics.update(sums.result(accelerator))
     metrics.update({
@@ -601,6 +604,27 @@ def make_optimizer(model, cfg: RunConfig, device) -> torch.optim.Optimizer:
     fused = {"fused": True} if torch.device(device).type == "cuda" else {}
     return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                              weight_decay=cfg.weight_decay, **fused)
+
+
+def _make_saveable(model, name: str) -> None:
+    """So that checkpoints save and reload like any other model:
+
+    - transformers keeps the GGUF quantizer attached to a de-quantised GGUF model (the offline
+      SmolLM2 default) and then refuses `save_pretrained`; the weights are plain floats, so the
+      marks go;
+    - a LoRA adapter records its base model's path; point it at the name `load_model`
+      understands ("smollm2", a .gguf file, a path or hub id) so `load_model(<adapter dir>)` works.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    quantizer = getattr(base, "hf_quantizer", None)
+    if quantizer is not None and "gguf" in type(quantizer).__name__.lower():
+        base.hf_quantizer = None
+        if hasattr(base.config, "quantization_config"):
+            del base.config.quantization_config
+    if hasattr(model, "peft_config") and not (Path(name) / "adapter_config.json").is_file():
+        target = str(Path(name).resolve()) if Path(name).exists() else name
+        for pc in model.peft_config.values():
+            pc.base_model_name_or_path = target
 
 
 def disable_dropout(model) -> None:
@@ -660,6 +684,7 @@ class Trainer:
             model.config.use_cache = False
             if hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()
+        _make_saveable(model, cfg.model)
         if cfg.disable_dropout:
             disable_dropout(model)
         self.ref_model = None
@@ -764,8 +789,12 @@ class Trainer:
         seed = step_seed(cfg.seed, step, self.rank)
         times = {"generate_s": 0.0, "evaluate_s": 0.0}
         n_evaluated = [0]
+        n_calls = [0]
 
         def timed_generate(model, tokenizer, prompts, gcfg):
+            # a fresh seed per call (= per turn): the same seed would replay turn 1's random draws
+            n_calls[0] += 1
+            gcfg = dataclasses.replace(gcfg, seed=step_seed(seed, n_calls[0]))
             t0 = time.perf_counter()
             try:
                 return self.generator(model, tokenizer, prompts, gcfg)
