@@ -209,30 +209,6 @@ def _trim_metrics(output_dir: str, last_step: int) -> None:
     path.write_text("".join(k + "\n" for k in keep))
 
 
-def _point_adapter_at_base(model, name: str) -> None:
-    """A LoRA adapter records its base model; make that the name load_model understands
-    ("smollm2", a .gguf file, an absolute path or a hub id), so `load_model(<adapter dir>)` works."""
-    if not hasattr(model, "peft_config") or (Path(name) / "adapter_config.json").is_file():
-        return
-    base = str(Path(name).resolve()) if Path(name).exists() else name
-    for pc in model.peft_config.values():
-        pc.base_model_name_or_path = base
-
-
-def _drop_gguf_marks(model) -> None:
-    """transformers de-quantises a GGUF checkpoint (the offline SmolLM2 default) into ordinary
-    float weights but keeps its GGUF quantizer attached, and that quantizer refuses
-    save_pretrained. The weights are plain tensors now, so we drop the marks: the saved model is
-    then an ordinary checkpoint that load_model reads back."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    quantizer = getattr(base, "hf_quantizer", None)
-    if quantizer is None or "gguf" not in type(quantizer).__name__.lower():
-        return
-    base.hf_quantizer = None
-    if hasattr(base.config, "quantization_config"):
-        del base.config.quantization_config
-
-
 def train(cfg: SFTConfig) -> dict:
     """Run SFT; return a summary (steps, last loss, paths)."""
     import torch
@@ -266,8 +242,6 @@ def train(cfg: SFTConfig) -> dict:
                        lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                        lora_target_modules=cfg.lora_target_modules,
                        attn_implementation=cfg.attn_implementation)
-    _drop_gguf_marks(model)
-    _point_adapter_at_base(model, cfg.model)
     model.config.use_cache = False
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(cfg.fused_adamw and acc.device.type == "cuda")

@@ -606,27 +606,6 @@ def make_optimizer(model, cfg: RunConfig, device) -> torch.optim.Optimizer:
                              weight_decay=cfg.weight_decay, **fused)
 
 
-def _make_saveable(model, name: str) -> None:
-    """So that checkpoints save and reload like any other model:
-
-    - transformers keeps the GGUF quantizer attached to a de-quantised GGUF model (the offline
-      SmolLM2 default) and then refuses `save_pretrained`; the weights are plain floats, so the
-      marks go;
-    - a LoRA adapter records its base model's path; point it at the name `load_model`
-      understands ("smollm2", a .gguf file, a path or hub id) so `load_model(<adapter dir>)` works.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    quantizer = getattr(base, "hf_quantizer", None)
-    if quantizer is not None and "gguf" in type(quantizer).__name__.lower():
-        base.hf_quantizer = None
-        if hasattr(base.config, "quantization_config"):
-            del base.config.quantization_config
-    if hasattr(model, "peft_config") and not (Path(name) / "adapter_config.json").is_file():
-        target = str(Path(name).resolve()) if Path(name).exists() else name
-        for pc in model.peft_config.values():
-            pc.base_model_name_or_path = target
-
-
 def disable_dropout(model) -> None:
     """Dropout off everywhere, so train-mode forwards give the same log-probs as sampling did."""
     for m in model.modules():
@@ -684,7 +663,7 @@ class Trainer:
             model.config.use_cache = False
             if hasattr(model, "enable_input_require_grads"):
                 model.enable_input_require_grads()
-        _make_saveable(model, cfg.model)
+        modeling.make_saveable(model, cfg.model)
         if cfg.disable_dropout:
             disable_dropout(model)
         self.ref_model = None

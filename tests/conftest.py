@@ -80,3 +80,16 @@ def kernelbench_path() -> Path:
     if not SHARED_KERNELBENCH.is_dir():
         pytest.skip("../shared/kernelbench is not present")
     return SHARED_KERNELBENCH
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Each Trainer/SFT run builds its own Accelerator; start (and leave) a test with a clean
+    shared Accelerate state."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

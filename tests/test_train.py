@@ -24,16 +24,7 @@ REQUIRED_KEYS = {"step", "loss", "reward_mean", "turn1/correct", "turn1/speedup"
                  "outcome_mask_rate", "tokens_per_s", "evaluate_s", "generate_s", "update_s", "grad_norm", "lr"}
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """Each Trainer builds its own Accelerator; start every test from a clean shared state."""
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def _read_jsonl(path):
