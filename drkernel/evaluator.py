@@ -139,9 +139,9 @@ class _LaunchRecorder:
     def __init__(self):
         self.candidate_file: str | None = None
         self.calls: list[dict] | None = None  # launches of the current forward call
-        # The launched tensors stay referenced until `end()`: otherwise the caching allocator can
-        # hand a decoy's freed scratch buffer to the torch-made output, whose storage would then
-        # look as if a candidate kernel had written it.
+        # The launched tensors stay referenced until the forward returns (`end()`): otherwise the
+        # caching allocator can hand a decoy's freed scratch buffer to the torch-made output, whose
+        # storage would then look as if a candidate kernel had written it.
         self.alive: list[Any] = []
         self.count = 0
         # CUDA: the stream the evaluator calls forward on; a candidate launch on any other stream
@@ -223,11 +223,8 @@ class _LaunchRecorder:
         self.count = 0
 
     def end(self) -> list[dict]:
-        out, self.calls = self.calls or [], None
+        out, self.calls, self.alive = self.calls or [], None, []
         return out
-
-    def release(self):
-        self.alive = []
 
 
 _RECORDER = _LaunchRecorder()

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import re
 from pathlib import Path
 from typing import Any
+
+from drkernel.jsonl import json_safe
 
 TRAINER_STATE = "trainer_state.json"
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
@@ -118,7 +119,8 @@ class MetricsLogger:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": int(step)}
-        row.update({k: _json_value(v) for k, v in metrics.items() if k != "step"})
+        row.update({k: v.item() if hasattr(v, "item") else v for k, v in metrics.items() if k != "step"})
+        row = json_safe(row)
         numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.acc.trackers:
             self.acc.log(numeric, step=int(step))
@@ -129,14 +131,6 @@ class MetricsLogger:
     def close(self) -> None:
         if self.acc.trackers:
             self.acc.end_training()
-
-
-def _json_value(v: Any) -> Any:
-    if hasattr(v, "item") and callable(v.item):
-        v = v.item()
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
 
 
 def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
@@ -164,17 +158,13 @@ def resolve_resume(resume_from: str | None, output_dir: str | os.PathLike) -> Pa
     return path
 
 
-def unwrap(accelerator, model):
-    return accelerator.unwrap_model(model)
-
-
 def save_model(accelerator, model, tokenizer, directory: str | os.PathLike) -> None:
     """Full weights, or only the adapter for a peft model, plus the tokenizer: what
     `drkernel.modeling.load_model(directory)` loads for the next stage or for generate.py."""
     accelerator.wait_for_everyone()
     state = accelerator.get_state_dict(model)  # gathers FSDP shards on every rank
     if accelerator.is_main_process:
-        m = unwrap(accelerator, model)
+        m = accelerator.unwrap_model(model)
         Path(directory).mkdir(parents=True, exist_ok=True)
         m.save_pretrained(directory, state_dict=state, safe_serialization=True)
         if tokenizer is not None:
