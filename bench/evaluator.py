@@ -71,6 +71,7 @@ def main() -> None:
                 last = res
             row = dict(case=label, verdict=verdicts[-1], verdicts=verdicts, hacks=last.hacks,
                        error=(last.error or "")[:200], ref_ms=last.ref_ms, candidate_ms=last.candidate_ms,
+                       ref_ms_isolated=last.details.get("ref_ms_isolated"),
                        speedups=speedups, wall_s=walls, median_wall_s=statistics.median(walls),
                        triton_time_share=last.triton_time_share, phase_s=last.details.get("phase_s"),
                        spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)
@@ -88,6 +89,12 @@ def main() -> None:
               f"{f(r['candidate_ms'], '%.3f'):>8s} {f(sp, '%.3f'):>8s} {f(r['spread'], '%.3f'):>7s} "
               f"{f(r['triton_time_share'], '%.2f'):>6s} {r['median_wall_s']:7.2f}")
     print(f"median wall per evaluation: {statistics.median(w for r in rows for w in r['wall_s']):.2f} s")
+    phases = {}
+    for r in rows:
+        for k, v in (r["phase_s"] or {}).items():
+            phases.setdefault(k, []).append(v)
+    print("median seconds per phase (last repeat of each case): "
+          + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in phases.items()))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ VERDICTS = ("correct", "incorrect", "compile_error", "runtime_error", "timeout",
 HACK_CODES = ("no_triton_kernel", "decoy_kernel", "output_cached", "output_aliases_input", "side_stream",
               "patched_function", "global_state_changed", "reference_access", "input_mutated",
               "bad_output_type", "degenerate_output", "precision_downgrade", "implausible_speedup",
-              "thread_spawned")
+              "thread_spawned", "reference_slowed")
 
 
 def resolve_device(device: str) -> str:
@@ -74,6 +74,9 @@ class EvalConfig:
     roofline_factor: float = 1.0  # implausible if candidate_ms < factor * bytes / copy bandwidth
     side_stream_ratio: float = 1.5
     side_stream_slack_ms: float = 0.1
+    ref_isolated_trials: int = 10  # reference alone before the candidate exists (reference_slowed guard)
+    timing_blocks: int = 4  # reference and candidate timings alternate in this many blocks each
+    ref_slowdown_limit: float = 1.5  # reference_slowed: interleaved reference > limit x isolated (+ slack)
     max_rss_mb: int = 0  # 0: no limit beyond the sandbox default
     max_output_chars: int = 20000
     # False only to measure torch-only candidates (baselines, the reference timed against itself):
@@ -150,6 +153,7 @@ class _LaunchRecorder:
         self.off_stream: list[str] = []
         self.detail = True
         self.installed: list[tuple[Any, str, Any]] = []
+        self._mine: dict[Any, bool] = {}  # code object -> defined in the candidate file
 
     def install(self) -> dict[str, tuple[Any, str]]:
         owners = []
@@ -191,10 +195,14 @@ class _LaunchRecorder:
         code = getattr(fn, "__code__", None)
         if code is None or self.candidate_file is None:
             return
-        try:
-            if os.path.realpath(code.co_filename) != self.candidate_file:
-                return
-        except Exception:
+        mine = self._mine.get(code)
+        if mine is None:  # resolved once per kernel: this hook runs inside every timed launch
+            try:
+                mine = os.path.realpath(code.co_filename) == self.candidate_file
+            except Exception:
+                mine = False
+            self._mine[code] = mine
+        if not mine:
             return
         self.count += 1
         import torch
@@ -343,6 +351,8 @@ def _same_values(a, b) -> bool:
     import torch
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if torch.equal(a, b):  # one pass; the NaN-aware check below only when this fails
+        return True
     if a.is_floating_point() or a.is_complex():
         return bool(torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
                     and torch.equal(torch.isnan(a), torch.isnan(b)))
@@ -356,19 +366,33 @@ def _tols(dtype, cfg: dict) -> tuple[float, float, float]:
     return cfg["atol_fp32"], cfg["rtol_fp32"], cfg["rel_l2_fp32"]
 
 
-_CHUNK = 1 << 24  # elements per comparison chunk: float64 temporaries stay ~128 MB at any size
+_CHUNK = 1 << 26  # elements per comparison chunk: temporaries stay a few hundred MB at any size
 
 
-def _chunks(*ts):
-    """Matching float64 slices of equally sized tensors. KernelBench outputs reach billions of
-    elements; comparing them whole in float64 would need several times their size again."""
+def _work_dtype(*ts):
+    """float64 for float64 tensors, float32 otherwise: half and bf16 widen to float32 exactly, and
+    an fp32 difference is exact or off by one rounding, far below any tolerance we apply."""
+    import torch
+    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
+
+
+def _chunks(*ts, dtype=None):
+    """Matching slices of equally sized tensors, cast to `dtype` (default float64). KernelBench
+    outputs reach billions of elements; comparing them whole would need several times their size
+    again."""
+    import torch
+    dtype = dtype or torch.float64
     flats = [t.detach().reshape(-1) for t in ts]
     for start in range(0, flats[0].numel(), _CHUNK):
-        yield [f[start:start + _CHUNK].double() for f in flats]
+        yield [f[start:start + _CHUNK].to(dtype) for f in flats]
 
 
 def _compare_tensor(c, r, atol, rtol, rel_l2) -> dict:
-    """Elementwise atol + rtol*|ref|, relative L2, and matching NaN/inf positions."""
+    """Elementwise atol + rtol*|ref|, relative L2, and matching NaN/inf positions.
+
+    One pass on the device with no host synchronisation until the end: every element within
+    tolerance means no NaN or inf anywhere (they never compare as within), so the detailed float64
+    pass below runs only for outputs that fail or hold non-finite values."""
     import torch
     res = {"ok": True, "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "why": ""}
     if c.shape != r.shape:
@@ -377,12 +401,45 @@ def _compare_tensor(c, r, atol, rtol, rel_l2) -> dict:
         return {**res, "ok": False, "why": f"dtype {c.dtype} vs reference {r.dtype}"}
     if c.device != r.device:
         return {**res, "ok": False, "why": f"device {c.device} vs reference {r.device}"}
-    if not (r.is_floating_point() or r.is_complex()):
+    if r.is_complex():
+        return _compare_tensor(torch.view_as_real(c), torch.view_as_real(r), atol, rtol, rel_l2)
+    if not r.is_floating_point():
         ok = bool(torch.equal(c, r))
         if not ok:
             diff = (c.long() - r.long()).abs().max().item() if c.numel() else 0
             res["max_abs"] = float(diff)
         return {**res, "ok": ok, "why": "" if ok else "integer/bool values differ"}
+    if r.numel() == 0:
+        return res
+    f64 = torch.float64
+    zero = torch.zeros((), dtype=f64, device=r.device)
+    n_out, max_abs, max_rel, sq_err, sq_ref = zero.long(), zero.clone(), zero.clone(), zero.clone(), zero.clone()
+    for cf, rf in _chunks(c, r, dtype=_work_dtype(c, r)):
+        err = (cf - rf).abs_()
+        ra = rf.abs()
+        n_out += (err > ra * rtol + atol).logical_or_(~torch.isfinite(err)).sum()
+        max_abs = torch.maximum(max_abs, err.max().to(f64))
+        max_rel = torch.maximum(max_rel, (err / ra.clamp_min_(1e-12)).max().to(f64))
+        e64, r64 = err.to(f64), rf.to(f64)
+        sq_err += torch.dot(e64, e64)
+        sq_ref += torch.dot(r64, r64)
+        del err, ra, e64, r64
+    stats = torch.stack([n_out.to(f64), max_abs, max_rel, sq_err, sq_ref]).tolist()  # the one sync
+    if stats[0] > 0:
+        return _compare_tensor_slow(c, r, atol, rtol, rel_l2)
+    res["max_abs"], res["max_rel"] = stats[1], stats[2]
+    nref, nerr = math.sqrt(stats[4]), math.sqrt(stats[3])
+    res["rel_l2"] = nerr / nref if nref > 0 else (0.0 if nerr == 0 else float("inf"))
+    if nref > 0 and res["rel_l2"] > rel_l2:
+        res["ok"] = False
+        res["why"] = f"relative L2 error {res['rel_l2']:.3g} > {rel_l2:g}"
+    return res
+
+
+def _compare_tensor_slow(c, r, atol, rtol, rel_l2) -> dict:
+    """The detailed float64 comparison: NaN/inf positions, then tolerances over finite values."""
+    import torch
+    res = {"ok": True, "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "why": ""}
     n_fin = n_bad = 0
     sq_err = sq_ref = 0.0
     for c64, r64 in _chunks(c, r):
@@ -438,34 +495,49 @@ def _compare(out, ref, cfg: dict, loose: bool = False) -> dict:
 
 
 def _degenerate(out, ref, inputs, cfg: dict) -> str | None:
-    """The candidate ≈ a trivial answer (zeros, a constant, an input) that would pass here."""
+    """The candidate ≈ a trivial answer (zeros, a constant, an input) that would pass here.
+
+    Two passes over the outputs on the device, each ending in a single host synchronisation."""
     import torch
     in_ts = _tensors(inputs)
+    f64 = torch.float64
     for c, r in zip(_tensors(out), _tensors(ref)):
         if not r.is_floating_point() or r.numel() < 2 or c.shape != r.shape or c.dtype != r.dtype:
             continue
-        total, finite = 0.0, True
-        for r64, c64 in _chunks(r, c):
-            finite = finite and bool(torch.isfinite(r64).all()) and bool(torch.isfinite(c64).all())
-            total += float(r64.sum().item())
-        if not finite:
+        wd = _work_dtype(r)
+        total = torch.zeros((), dtype=f64, device=r.device)
+        n_bad = torch.zeros((), dtype=torch.long, device=r.device)
+        for rf, cf in _chunks(r, c, dtype=wd):
+            n_bad += (~torch.isfinite(rf)).sum() + (~torch.isfinite(cf)).sum()
+            total += rf.sum(dtype=f64)
+        n_bad, total = int(n_bad.item()), float(total.item())
+        if n_bad:
             continue
         atol, rtol, _ = _tols(r.dtype, cfg)
         mean = total / r.numel()
         same = [(i, t) for i, t in enumerate(in_ts) if t.shape == r.shape and t.dtype == r.dtype]
         names = ["zeros", "a constant"] + [f"input {i}" for i, _ in same]
-        gap, dist, passes, scale = [0.0] * len(names), [0.0] * len(names), [True] * len(names), 0.0
-        for r64, c64, *ins in _chunks(r, c, *[t for _, t in same]):
-            scale = max(scale, float(r64.abs().max().item()))
-            for k, t in enumerate([torch.zeros_like(r64), torch.full_like(r64, mean)] + ins):
-                d = (r64 - t).abs()
-                gap[k] = max(gap[k], float(d.max().item()))
-                passes[k] = passes[k] and bool((d <= atol + rtol * r64.abs()).all())
-                dist[k] = max(dist[k], float((c64 - t).abs().max().item()))
+        k_n = len(names)
+        gap = torch.zeros(k_n, dtype=f64, device=r.device)  # max |ref - answer|
+        dist = torch.zeros(k_n, dtype=f64, device=r.device)  # max |candidate - answer|
+        fails = torch.zeros(k_n, dtype=torch.long, device=r.device)  # answer outside the tolerance
+        scale = torch.zeros((), dtype=f64, device=r.device)
+        for rf, cf, *ins in _chunks(r, c, *[t for _, t in same], dtype=wd):
+            tol = rf.abs().mul_(rtol).add_(atol)
+            scale = torch.maximum(scale, rf.abs().max().to(f64))
+            answers = [None, torch.full((), mean, dtype=wd, device=rf.device)] + ins
+            for k, t in enumerate(answers):
+                d = rf.abs() if t is None else (rf - t).abs_()
+                gap[k] = torch.maximum(gap[k], d.max().to(f64))
+                fails[k] += (d > tol).sum()
+                dc = cf.abs() if t is None else (cf - t).abs_()
+                dist[k] = torch.maximum(dist[k], dc.max().to(f64))
+                del d, dc
+        gap_l, dist_l, fails_l, scale_f = gap.tolist(), dist.tolist(), fails.tolist(), float(scale.item())
         for k, name in enumerate(names):
-            if gap[k] <= 1e-6 * scale + 1e-30:
+            if gap_l[k] <= 1e-6 * scale_f + 1e-30:
                 continue  # the reference really is this trivial answer
-            if passes[k] and dist[k] <= 0.1 * gap[k]:
+            if fails_l[k] == 0 and dist_l[k] <= 0.1 * gap_l[k]:
                 return f"output ≈ {name}, which passes the tolerance on this problem while the reference differs"
     return None
 
@@ -742,16 +814,20 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
         io_bytes = _nbytes(_tensors(warm_in)) + _nbytes(_tensors(ref_o))
         ref_aliases = _overlap(_ranges(_tensors(ref_o)), _ranges(_tensors(warm_in)))
         del ref_o, warm_in
-        ref_seeds = [seed + 100000 + i for i in range(perf_n)]
+        # A short timing of the reference alone, before the candidate exists: the guard against a
+        # candidate that slows the reference down (the speedup itself uses the interleaved timing
+        # of step 9, where both run in the same allocator, cache and clock state).
+        ref_seeds = [seed + 100000 + i for i in range(max(1, min(perf_n, int(cfg["ref_isolated_trials"]))))]
         rt = timer.run(ref_model, ref_mod, ref_seeds)
         bandwidth = _copy_bandwidth(device)
-    out["ref_ms"] = _median(rt["event_ms"])
+    ref_isolated_ms = _median(rt["event_ms"])
+    details["ref_ms_isolated"] = ref_isolated_ms
     details["io_bytes"] = io_bytes
     details["copy_bandwidth_gbs"] = bandwidth / 1e6 if bandwidth else None
     del ref_model, rt
     _cleanup(device)
 
-    mark("reference_timing")
+    mark("reference_alone")
     # 4. launch hook, then the snapshot (which includes the hook). Importing torch._dynamo (done
     # lazily by torch.profiler and torch.compile) rebinds torch.manual_seed; import it now so
     # that our own profiling later is not mistaken for a patch by the candidate.
@@ -932,21 +1008,59 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     _cleanup(device)
 
     mark("correctness")
-    # 9. timing the candidate
-    sr = random.SystemRandom()
+    # 9. timing: reference and candidate alternate in blocks (R C, C R, R C, ...), so that both are
+    # timed in the same allocator, cache, clock and thermal state; timed apart, memory-bound
+    # kernels measured 5-10 % slower in whichever ran later. Same protocol for both.
+    ref_model = _build(ref_cls, init_inputs(), seed, device)
+
+    def verify(kept: dict, label: str):
+        for i, (s, o) in sorted(kept.items()):
+            fresh_ref = _build(ref_cls, init_inputs(), seed, device)
+            with torch.no_grad():
+                r = fresh_ref(*_gen_inputs(ref_mod, s, device))
+            _sync(device)
+            cmp = _compare(o, r, cfg)
+            del fresh_ref, r
+            if not cmp["ok"]:
+                hack("output_cached", f"{label} call {i}: output is stale/wrong for its fresh inputs ({cmp['why']})")
+
     with torch.no_grad():
         for i in range(max(1, int(cfg["warmup"]))):
+            ref_model(*_gen_inputs(ref_mod, seed + 200000 + i, device))
             cand_model(*_gen_inputs(ref_mod, seed + 200000 + i, device))
         _sync(device)
-    cand_seeds = [seed + 300000 + i for i in range(perf_n)]
+    n_blocks = max(1, min(int(cfg["timing_blocks"]), perf_n))
+    bounds = [perf_n * b // n_blocks for b in range(n_blocks + 1)]
+    sr = random.SystemRandom()
     keep = set(sr.sample(range(perf_n), min(2, perf_n))) | {perf_n - 1}
-    try:
-        with timer.lock():
-            ct = timer.run(cand_model, ref_mod, cand_seeds, keep=keep)
-    except BaseException as exc:
-        raise _Stop("runtime_error", _exc_error("forward raised while timing", exc))
+    ct: dict[str, list] = {"event_ms": [], "host_ms": [], "gap_ms": [], "launch_counts": []}
+    ref_times: list[float] = []
+    with timer.lock():
+        for b in range(n_blocks):
+            idx = range(bounds[b], bounds[b + 1])
+            for who in (("ref", "cand") if b % 2 == 0 else ("cand", "ref")):
+                if who == "ref":
+                    try:
+                        ref_times += timer.run(ref_model, ref_mod, [seed + 100000 + i for i in idx])["event_ms"]
+                    except BaseException as exc:
+                        raise _Stop("runtime_error", _exc_error("the reference raised while timing", exc))
+                    continue
+                try:
+                    blk = timer.run(cand_model, ref_mod, [seed + 300000 + i for i in idx],
+                                    keep={i - idx.start for i in idx if i in keep})
+                except BaseException as exc:
+                    raise _Stop("runtime_error", _exc_error("forward raised while timing", exc))
+                for k in ct:
+                    ct[k] += blk[k]
+                verify({idx.start + j: v for j, v in blk["kept"].items()}, "timed")  # frees the kept outputs
+                del blk
     with torch.no_grad():
         check_integrity("after timing")
+    del ref_model
+    out["ref_ms"] = ref_ms = _median(ref_times)
+    if device.type == "cuda" and ref_ms > cfg["ref_slowdown_limit"] * ref_isolated_ms + cfg["side_stream_slack_ms"]:
+        hack("reference_slowed", f"the reference took {ref_ms:.4f} ms next to the candidate vs {ref_isolated_ms:.4f} ms "
+                                 "before the candidate existed")
     if cfg["require_triton"] and any(c == 0 for c in ct["launch_counts"]):
         hack("no_triton_kernel", "a timed call launched no candidate Triton kernel")
     if _RECORDER.off_stream:
@@ -962,19 +1076,6 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
             hack("side_stream", f"host-clock {host_med:.4f} ms (sync wait {gap_med:.4f} ms) vs CUDA-event "
                                 f"{cand_ms:.4f} ms: work escapes the timed stream")
 
-    def verify(kept: dict, label: str):
-        for i, (s, o) in sorted(kept.items()):
-            ref_model = _build(ref_cls, init_inputs(), seed, device)
-            with torch.no_grad():
-                r = ref_model(*_gen_inputs(ref_mod, s, device))
-            _sync(device)
-            cmp = _compare(o, r, cfg)
-            del ref_model, r
-            if not cmp["ok"]:
-                hack("output_cached", f"{label} call {i}: output is stale/wrong for its fresh inputs ({cmp['why']})")
-
-    verify(ct["kept"], "timed")
-    del ct
     _cleanup(device)
 
     roof_ms = (io_bytes / bandwidth) if bandwidth else None
@@ -997,7 +1098,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     out["candidate_ms"] = cand_ms
     out["speedup"] = speed
 
-    mark("candidate_timing")
+    mark("timing")
     # 10. profiling
     if device.type == "cuda" and cfg["profile"]:
         try:

@@ -94,6 +94,9 @@ def test_legit_relu_correct():
     assert r.timing == "cpu_wall" and r.speedup is not None and r.ref_ms and r.candidate_ms
     assert r.trials_passed == r.trials >= 2
     assert "relu_kernel" in r.details["launched_kernels"]
+    # the reference is timed alone (guard) and then interleaved with the candidate (the speedup)
+    assert r.details["ref_ms_isolated"] > 0
+    assert {"reference_alone", "correctness", "timing", "profiling"} <= set(r.details["phase_s"])
 
 
 def test_integer_input_task():
@@ -246,3 +249,69 @@ def test_chunked_comparison_matches_whole_tensor(monkeypatch):
 def dataclasses_cfg():
     import dataclasses
     return dataclasses.asdict(EvalConfig())
+
+
+def test_fast_comparison_agrees_with_the_detailed_one(monkeypatch):
+    """`_compare_tensor` decides passing outputs in one device pass and falls back to the detailed
+    float64 pass for anything that fails or is non-finite; both must give the same verdict and the
+    same error measures, at any chunk size and for half, complex and float64 outputs."""
+    import torch
+    from drkernel import evaluator as ev
+
+    g = torch.Generator().manual_seed(1)
+    r = torch.randn(3000, generator=g)
+    near = r + 2e-5 * torch.randn(3000, generator=g)  # inside atol=rtol=1e-4
+    cases = {"pass": (near, r), "fail_one": (near.clone().index_fill_(0, torch.tensor([5]), 9.0), r)}
+    nan_r = r.clone()
+    nan_r[[3, 70]] = float("nan")
+    nan_c = near.clone()
+    nan_c[[3, 70]] = float("nan")
+    cases["nan_same"] = (nan_c, nan_r)
+    cases["nan_moved"] = (nan_c.roll(1), nan_r)
+    inf_r = r.clone()
+    inf_r[9] = float("inf")
+    cases["inf_same"] = (torch.where(torch.isinf(inf_r), inf_r, near), inf_r)
+    cases["inf_sign"] = (torch.where(torch.isinf(inf_r), -inf_r, near), inf_r)
+    cases["fp16"] = (near.half(), r.half())
+    cases["fp64_l2"] = ((r + 5e-3 * r.abs().mean()).double(), r.double())
+    cases["complex"] = (torch.complex(near, near), torch.complex(r, r))
+    for chunk in (1 << 26, 128):
+        monkeypatch.setattr(ev, "_CHUNK", chunk)
+        for name, (c, ref) in cases.items():
+            tol = 1e-2 if ref.dtype == torch.float16 else 1e-4
+            fast = ev._compare_tensor(c, ref, tol, tol, 1e-3)
+            if ref.is_complex():
+                c, ref = torch.view_as_real(c), torch.view_as_real(ref)
+            slow = ev._compare_tensor_slow(c, ref, tol, tol, 1e-3)
+            assert fast["ok"] is slow["ok"], (name, chunk, fast, slow)
+            assert fast["why"] == slow["why"], (name, chunk)
+            for k in ("max_abs", "max_rel", "rel_l2"):
+                assert abs(fast[k] - slow[k]) <= 1e-6 * max(1.0, slow[k]), (name, chunk, k, fast[k], slow[k])
+    expected = {"pass": True, "fail_one": False, "nan_same": True, "nan_moved": False, "inf_same": True,
+                "inf_sign": False, "fp16": True, "fp64_l2": False, "complex": True}
+    got = {n: ev._compare_tensor(c, ref, *([1e-2] * 2 if n == "fp16" else [1e-4] * 2), 1e-3)["ok"]
+           for n, (c, ref) in cases.items()}
+    assert got == expected
+
+    def no_slow_pass(*a):
+        raise AssertionError("a passing finite output must be decided by the single device pass")
+    monkeypatch.setattr(ev, "_compare_tensor_slow", no_slow_pass)
+    assert ev._compare_tensor(near, r, 1e-4, 1e-4, 1e-3)["ok"]
+
+
+def test_degenerate_check_flags_trivial_answers_only():
+    """A constant answer that passes because the reference barely varies is flagged; the same
+    reference answered properly, and a varying reference answered with zeros, are not."""
+    import torch
+    from drkernel import evaluator as ev
+
+    cfg = dataclasses_cfg()
+    g = torch.Generator().manual_seed(2)
+    flat_ref = 3.0 + 1e-5 * torch.rand(4000, generator=g)  # every value within tolerance of 3.0
+    assert "a constant" in (ev._degenerate(torch.full((4000,), float(flat_ref.mean())), flat_ref, [], cfg) or "")
+    assert ev._degenerate(flat_ref.clone(), flat_ref, [], cfg) is None
+    x = torch.randn(4000, generator=g)
+    near_identity = x + 1e-6 * torch.randn(4000, generator=g)
+    assert "input 0" in (ev._degenerate(x.clone(), near_identity, [x], cfg) or "")
+    varied = torch.randn(4000, generator=g)
+    assert ev._degenerate(varied.clone(), varied, [x], cfg) is None
