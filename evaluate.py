@@ -58,6 +58,9 @@ class EvaluateConfig:
         "help": "samples expected per problem (missing ones count as failures); more are used if present"})
     chunk_size: int = dataclasses.field(default=0, metadata={
         "help": "evaluations per evaluate_many call (results are saved per chunk); 0 = 2 x workers, at least 4"})
+    require_triton: bool = dataclasses.field(default=True, metadata={
+        "help": "false only to time torch-only candidates (e.g. the reference against itself): no Triton "
+                "launch required, decoy checks off; never for rewards"})
 
 
 def _int_list(text: str) -> list[int]:
@@ -68,7 +71,8 @@ def make_evaluator(cfg: EvaluateConfig, device: str):
     """The real evaluator (tests replace this factory with a fake)."""
     from drkernel.evaluator import EvalConfig, Evaluator
 
-    ecfg = EvalConfig(device=device, trials=cfg.trials, perf_trials=cfg.perf_trials, timeout=cfg.timeout)
+    ecfg = EvalConfig(device=device, trials=cfg.trials, perf_trials=cfg.perf_trials, timeout=cfg.timeout,
+                      require_triton=cfg.require_triton)
     return Evaluator(ecfg, workers=cfg.workers or None)
 
 
@@ -194,15 +198,16 @@ def _result_dict(res) -> dict:
 
 def _same_attempt(prev: dict | None, ident: dict) -> bool:
     """A stored row stands for this attempt only if it evaluated the same candidate code
-    against the same reference and baseline (a row without these fields is trusted)."""
+    against the same reference and baseline, with the same Triton requirement (a row without
+    these fields is trusted)."""
     return prev is not None and all(prev.get(k) in (None, ident[k])
-                                    for k in ("candidate_sha", "reference_sha", "baseline"))
+                                    for k in ("candidate_sha", "reference_sha", "baseline", "require_triton"))
 
 
-def _identity(c: dict, task, ref_sha: str, baseline: str) -> dict:
+def _identity(c: dict, task, ref_sha: str, baseline: str, require_triton: bool = True) -> dict:
     return {"level": task.level, "problem_id": task.problem_id, "sample": c["sample"], "turn": c["turn"],
             "task": task.name, "candidate": c.get("path"), "candidate_sha": _sha(c.get("code")),
-            "reference_sha": ref_sha, "baseline": baseline}
+            "reference_sha": ref_sha, "baseline": baseline, "require_triton": require_triton}
 
 
 # --------------------------------------------------------------------------------------
@@ -254,7 +259,8 @@ def main(argv=None) -> dict:
         done[row_key(r)] = r  # the last row of a key wins
 
     ref_shas = {t.key: _sha(reference_code(t, cfg.baseline)) for t in tasks}
-    idents = [(c, task, _identity(c, task, ref_shas[task.key], cfg.baseline)) for c, task in matched]
+    idents = [(c, task, _identity(c, task, ref_shas[task.key], cfg.baseline, cfg.require_triton))
+              for c, task in matched]
     pending = [(c, t, i) for c, t, i in idents if not _same_attempt(done.get(row_key(i)), i)]
 
     writer = JsonlWriter(results_path)

@@ -1,11 +1,12 @@
-"""Our Triton solutions are correct (CPU, Triton interpreter), in-process, without the evaluator.
+"""Our Triton solutions are correct (CPU, Triton interpreter).
 
-- bundled tasks: `drkernel/data/solutions/<task>.py` vs `drkernel/data/tasks/<task>.py`;
-- GPU benchmark solutions `bench/solutions/level{L}_{id}_*.py` vs the real KernelBench problem, with
-  the problem's module-level size constants shrunk so that the interpreter finishes quickly.
-
-Same seed ⇒ same parameters for Model and ModelNew; inputs from `get_inputs()` (uniform) and a
-second, signed-normal distribution; elementwise atol = rtol = 1e-4 and relative L2 < 1e-4.
+- bundled tasks, in-process: `drkernel/data/solutions/<task>.py` vs `drkernel/data/tasks/<task>.py`.
+  Same seed ⇒ same parameters for Model and ModelNew; inputs from `get_inputs()` (uniform) and a
+  second, signed-normal distribution; elementwise atol = rtol = 1e-4 and relative L2 < 1e-4.
+- GPU benchmark solutions `bench/solutions/level{L}_{id}_*.py`, through the real evaluator, against
+  the real KernelBench problem with its module-level size constants shrunk
+  (`bench/kernelbench_eval.py`'s SHRINK) so that the interpreter finishes quickly; and a CPU smoke
+  run of that GPU script.
 """
 
 import importlib.util
@@ -20,8 +21,6 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "drkernel" / "data" / "tasks"
 SOLUTIONS = ROOT / "drkernel" / "data" / "solutions"
-BENCH = ROOT / "bench" / "solutions"
-KB_DATA = ROOT.parent / "shared" / "kernelbench" / "data"
 
 _counter = itertools.count()
 
@@ -108,56 +107,107 @@ def test_bundled_solution_launches_triton():
         assert kernels, name
 
 
-# ---- bench/solutions on real KernelBench problems, shrunk -----------------------------------
+# ---- bench/solutions on real KernelBench problems, shrunk, through the real evaluator ----------
 
-SHRINK = {
-    "level1_1_Square_matrix_multiplication_.py": {"N": 40},
-    "level1_19_ReLU.py": {"batch_size": 4, "dim": 1000},
-    "level1_21_Sigmoid.py": {"batch_size": 4, "dim": 1000},
-    "level1_26_GELU_.py": {"batch_size": 4, "dim": 1000},
-    "level1_23_Softmax.py": {"batch_size": 3, "dim": 9000},  # > one 4096 block: the looped path
-    "level1_36_RMSNorm_.py": {"batch_size": 2, "features": 5, "dim1": 9, "dim2": 130},
-    "level1_47_Sum_reduction_over_a_dimension.py": {"batch_size": 3, "dim1": 37, "dim2": 130},
-    "level2_12_Gemm_Multiply_LeakyReLU.py": {"batch_size": 20, "in_features": 40, "out_features": 70},
-    "level2_12_Gemm_Multiply_LeakyReLU_torch_gemm.py": {"batch_size": 20, "in_features": 40,
-                                                        "out_features": 70},
-}
+sys.path.insert(0, str(ROOT))
+from bench import kernelbench_eval as kbe  # noqa: E402  (the GPU script's own helpers)
+
+BENCH_FILES = kbe.solution_files()
+SHRUNK_CFG = dict(device="cpu", trials=2, cpu_perf_trials=1, warmup=1, timeout=120.0)
 
 
-def _problem_code(level: int, problem_id: int) -> str | None:
-    files = sorted(KB_DATA.glob(f"level_{level}-*.jsonl"))
-    for f in files:
-        for line in f.read_text().splitlines():
-            row = json.loads(line)
-            if int(row.get("problem_id", -1)) == problem_id and row.get("level", level) == level:
-                return row["code"]
-    return None
+@pytest.fixture(scope="module")
+def kb_tasks(kernelbench_path):
+    from drkernel.tasks import load_kernelbench
+
+    return {t.key: t for level in (1, 2) for t in load_kernelbench(str(kernelbench_path), level)}
 
 
-def test_bench_solutions_cover_shrink_table():
-    present = sorted(p.name for p in BENCH.glob("level*_*.py"))
-    assert len(present) >= 6
-    assert set(present) <= set(SHRINK), set(present) - set(SHRINK)
+@pytest.fixture(scope="module")
+def cpu_evaluator():
+    from drkernel.evaluator import EvalConfig, Evaluator
+
+    with Evaluator(EvalConfig(**SHRUNK_CFG)) as ev:
+        yield ev
 
 
-@pytest.mark.parametrize("name", sorted(SHRINK))
-def test_bench_solution_shrunk(name, tmp_path):
-    if not KB_DATA.is_dir():
-        pytest.skip("../shared/kernelbench is not present")
-    path = BENCH / name
-    if not path.is_file():
-        pytest.skip(f"{name} not written")
-    level = int(name.split("_")[0][len("level"):])
-    problem_id = int(name.split("_")[1])
-    code = _problem_code(level, problem_id)
-    assert code is not None, (level, problem_id)
-    ref_path = tmp_path / f"ref_{level}_{problem_id}.py"
-    ref_path.write_text(code)
-    ref = load_module(ref_path)
-    for k, v in SHRINK[name].items():
-        assert hasattr(ref, k), (name, k)
-        setattr(ref, k, v)  # get_inputs / get_init_inputs read module globals at call time
-    check_pair(ref, load_module(path), trials=1)
+def test_bench_solutions_cover_twelve_problems(kb_tasks):
+    problems = {s.key for s in BENCH_FILES}
+    assert len(problems) >= 12 and {lvl for lvl, _ in problems} == {1, 2}, sorted(problems)
+    assert not problems - set(kbe.SHRINK), sorted(problems - set(kbe.SHRINK))
+    for sol in BENCH_FILES:  # each file names a real problem; every problem has a primary file
+        assert f"{sol.level}_{sol.problem_id}" in kb_tasks, sol.path.name
+    for key in problems:
+        task = kb_tasks["%d_%d" % key]
+        assert any(s.is_primary(task) for s in BENCH_FILES if s.key == key), task.name
+
+
+def test_shrink_code_rewrites_constants_and_derived_ones():
+    code = "import torch\nbatch_size = 1024\nout_features = 8192\nbias_shape = (out_features,)\n"
+    small = kbe.shrink_code(code, {"batch_size": 3, "out_features": 7})
+    ns: dict = {}
+    exec(small, ns)
+    assert (ns["batch_size"], ns["out_features"], ns["bias_shape"]) == (3, 7, (7,))
+    with pytest.raises(ValueError, match="dim"):
+        kbe.shrink_code(code, {"dim": 4})
+
+
+@pytest.mark.parametrize("sol", BENCH_FILES, ids=lambda s: s.path.name)
+def test_bench_solution_correct_in_evaluator(sol, kb_tasks, cpu_evaluator, tmp_path):
+    task = kbe.shrunk_task(kb_tasks[f"{sol.level}_{sol.problem_id}"])
+    ref = tmp_path / "reference.py"
+    ref.write_text(task.code)
+    res = cpu_evaluator.evaluate(str(ref), str(sol.path))
+    assert res.verdict == "correct" and not res.hacks, (res.verdict, res.hacks, res.error)
+    source = sol.path.read_text()  # the output comes from this file's own @triton.jit kernels
+    launched = res.details.get("launched_kernels") or []
+    assert launched and all(f"def {name}(" in source for name in launched), launched
+
+
+def test_kernelbench_eval_builds_flat_dirs_without_datasets(kernelbench_path, tmp_path, monkeypatch):
+    """The GPU box has no `datasets`: the script's directories must load through the fallback."""
+    from drkernel import layouts
+    from drkernel.tasks import load_tasks
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    cfg = kbe.KernelBenchEvalConfig(tasks=str(kernelbench_path), problem_ids="12,19", variants=True)
+    runs = {r["name"]: r for r in kbe.build_runs(cfg, tmp_path)}
+    assert set(runs) == {"triton", "reference", "variants"}
+    # problem id 12 exists on both levels but only level 2 has a solution, 19 only on level 1
+    for name in ("triton", "reference"):
+        d = runs[name]["dir"]
+        tasks = load_tasks(str(d / "tasks"), levels=runs[name]["levels"])
+        assert sorted(t.key for t in tasks) == ["1_19", "2_12"]
+        cands = layouts.discover_candidates(d / "candidates")
+        assert sorted((c["level"], c["problem_id"], c["sample"]) for c in cands) == [(1, 19, 0), (2, 12, 0)]
+    tri = runs["triton"]["dir"] / "candidates"
+    assert (tri / "2_12.py").read_text() == (kbe.SOLUTIONS / "level2_12_Gemm_Multiply_LeakyReLU.py").read_text()
+    ref = (runs["reference"]["dir"] / "candidates" / "1_19.py").read_text()
+    assert "class Model(" in ref and "class ModelNew(Model)" in ref and "batch_size = 4096" in ref
+    variant = layouts.discover_candidates(runs["variants"]["dir"] / "candidates")
+    assert [(c["level"], c["problem_id"]) for c in variant] == [(2, 12)]
+    assert "cuBLAS" in variant[0]["code"]  # the torch-GEMM variant of level2_12
+    argv = kbe.evaluate_argv(cfg, runs["reference"])
+    assert argv[argv.index("--require_triton") + 1] == "false"
+
+
+def test_kernelbench_eval_cpu_smoke(kernelbench_path, tmp_path, capsys):
+    """End to end on CPU: shrunk ReLU through evaluate.py twice (Triton, then the reference as a
+    torch-only candidate with --require_triton false), combined table and JSON."""
+    result = kbe.main(["--tasks", str(kernelbench_path), "--levels", "1", "--problem_ids", "19",
+                       "--device", "cpu", "--shrink", "true", "--out_dir", str(tmp_path),
+                       "--trials", "1", "--perf_trials", "2"])
+    (row,) = result["rows"]
+    assert (row["level"], row["problem_id"]) == (1, 19)
+    assert row["triton"]["verdict"] == "correct" and row["reference"]["verdict"] == "correct"
+    assert row["triton"]["speedup"] > 0 and row["reference"]["speedup"] > 0
+    assert result["runs"]["triton"]["correct_rate"] == 1.0
+    saved = json.loads((tmp_path / "kernelbench_eval.json").read_text())
+    assert saved["rows"][0]["reference"]["verdict"] == "correct"
+    assert "L1 19_ReLU" in capsys.readouterr().out
+    # the reference rows were evaluated without the Triton requirement, the Triton ones with it
+    ref_rows = [json.loads(line) for line in (tmp_path / "reference" / "results.jsonl").read_text().splitlines()]
+    assert [r["require_triton"] for r in ref_rows] == [False]
 
 
 # ---- legit-but-unusual candidates must not be flagged (false-positive guard) ----------------
