@@ -53,7 +53,8 @@ def load_tokenizer(name: str, tokenizer_name: str | None = None):
 
 def load_model(name: str, dtype: str = "auto", gradient_checkpointing: bool = False,
                lora_r: int = 0, lora_alpha: int = 16, lora_dropout: float = 0.0,
-               lora_target_modules: str = "all-linear", attn_implementation: str | None = None):
+               lora_target_modules: str = "all-linear", attn_implementation: str | None = None,
+               gradient_checkpointing_every: int = 1):
     """A causal LM by path, hub id, `.gguf` file or the offline default; LoRA via peft if lora_r > 0.
 
     A directory holding a peft adapter (adapter_config.json) is loaded as base + adapter,
@@ -91,12 +92,58 @@ def load_model(name: str, dtype: str = "auto", gradient_checkpointing: bool = Fa
                 r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
                 target_modules=targets, task_type="CAUSAL_LM"))
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        if hasattr(model, "enable_input_require_grads"):
-            model.enable_input_require_grads()
-        model.config.use_cache = False
+        enable_gradient_checkpointing(model, gradient_checkpointing_every)
     make_saveable(model, name)
     return model
+
+
+def enable_gradient_checkpointing(model, every_n_layers: int = 1) -> None:
+    """Activation checkpointing (non-reentrant) of every `every_n_layers`-th decoder layer.
+
+    1 recomputes every layer in backward (least memory, ~1/3 more compute); n > 1 keeps the
+    activations of the other layers, landing between no and full checkpointing in memory with
+    1/n of the recompute (transformers' own `every_n_layers`).
+    """
+    if every_n_layers < 1:
+        raise ValueError(f"gradient_checkpointing_every must be >= 1, got {every_n_layers}")
+    kwargs = {"every_n_layers": every_n_layers} if every_n_layers > 1 else {}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **kwargs)
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    model.config.use_cache = False
+
+
+def decoder_layers(model) -> list:
+    """The repeated transformer blocks (transformers' `GradientCheckpointingLayer`s), in order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def compile_backend() -> str:
+    """torch.compile backend: inductor; `DRKERNEL_COMPILE_BACKEND` overrides it (tests use
+    aot_eager, which traces and partitions the same graphs without generating kernels)."""
+    return os.environ.get("DRKERNEL_COMPILE_BACKEND") or "inductor"
+
+
+def compile_decoder_layers(model) -> int:
+    """Regional torch.compile: each decoder layer is compiled in place (`nn.Module.compile`).
+
+    Every layer has the same code and shapes, so one compiled graph serves all of them: compile
+    time is that of one layer, not of the model. The rest of the model (embedding, final norm,
+    the output layer that the chunked log-prob/loss code calls directly) stays eager. Call it
+    after LoRA wrapping and gradient checkpointing, before `accelerator.prepare`, and after any
+    `copy.deepcopy` of the model (a copy would share the compiled callables). Returns the number
+    of layers compiled; a model without such layers is an error.
+    """
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"torch_compile: {type(model).__name__} has no transformers decoder layers "
+                         "(GradientCheckpointingLayer) to compile")
+    backend = compile_backend()
+    for layer in layers:
+        layer.compile(backend=backend)
+    return len(layers)
 
 
 def make_saveable(model, name: str) -> None:

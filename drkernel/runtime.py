@@ -50,6 +50,13 @@ class RunConfig:
     mixed_precision: str = "no"  # "no" | "bf16" | "fp16" (Accelerate)
     dtype: str = "auto"  # weights dtype at load: auto | bf16 | fp32 | fp16
     gradient_checkpointing: bool = False
+    gradient_checkpointing_every: int = dataclasses.field(default=1, metadata={
+        "help": "with gradient_checkpointing: checkpoint only every n-th decoder layer (1 = all, least "
+                "memory); n > 1 keeps the other layers' activations: less recompute, memory in between"})
+    torch_compile: bool = dataclasses.field(default=False, metadata={
+        "help": "torch.compile each decoder layer (and RL's log-prob head): fused norms, rotary and MLP "
+                "pointwise ops give a faster update and less activation memory; costs a one-off compile "
+                "(~1 min on a GPU) and a second one when sequence lengths first change"})
     lora_r: int = 0  # > 0 trains a LoRA adapter through peft
     lora_alpha: int = 16
     lora_dropout: float = 0.0

@@ -72,6 +72,8 @@ def _validate(cfg: SFTConfig) -> None:
         raise ConfigError(f"overlong must be 'truncate' or 'drop', not {cfg.overlong!r}")
     if cfg.loss_chunk_size < 0:
         raise ConfigError("loss_chunk_size must be >= 0")
+    if cfg.gradient_checkpointing_every < 1:
+        raise ConfigError(f"gradient_checkpointing_every must be >= 1, got {cfg.gradient_checkpointing_every}")
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -216,7 +218,7 @@ def train(cfg: SFTConfig) -> dict:
     from transformers import get_scheduler
 
     from drkernel import runtime as rt
-    from drkernel.modeling import load_model, load_tokenizer
+    from drkernel.modeling import compile_decoder_layers, load_model, load_tokenizer
 
     _validate(cfg)
     # we accumulate ourselves (see sft_step), so Accelerate must not rescale the loss
@@ -241,8 +243,11 @@ def train(cfg: SFTConfig) -> dict:
     model = load_model(cfg.model, dtype=cfg.dtype, gradient_checkpointing=cfg.gradient_checkpointing,
                        lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                        lora_target_modules=cfg.lora_target_modules,
-                       attn_implementation=cfg.attn_implementation)
+                       attn_implementation=cfg.attn_implementation,
+                       gradient_checkpointing_every=cfg.gradient_checkpointing_every)
     model.config.use_cache = False
+    if cfg.torch_compile:  # after LoRA and checkpointing, before prepare
+        compile_decoder_layers(model)
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(cfg.fused_adamw and acc.device.type == "cuda")
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
