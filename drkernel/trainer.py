@@ -790,12 +790,9 @@ class Trainer:
         seed = step_seed(cfg.seed, step, self.rank)
         times = {"generate_s": 0.0, "evaluate_s": 0.0}
         n_evaluated = [0]
-        n_calls = [0]
 
         def timed_generate(model, tokenizer, prompts, gcfg):
-            # a fresh seed per call (= per turn): the same seed would replay turn 1's random draws
-            n_calls[0] += 1
-            gcfg = dataclasses.replace(gcfg, seed=step_seed(seed, n_calls[0]))
+            # the sampling seed of each turn comes from rollout.turn_seed(step seed, turn)
             t0 = time.perf_counter()
             try:
                 return self.generator(model, tokenizer, prompts, gcfg)
