@@ -127,7 +127,7 @@ def save_random_model(directory: Path, tokenizer, layers: int, tiny: bool, devic
 # ----------------------------------------------------------------------------- report
 
 TRAINER_KEYS = ("tasks", "levels", "tasks_per_step", "num_generations", "num_turns", "max_new_tokens",
-                "max_prompt_tokens", "generation_backend", "generation_batch_size", "micro_batch_size",
+                "max_prompt_tokens", "generation_backend", "generation_compile", "generation_batch_size", "micro_batch_size",
                 "logprob_chunk_size", "skip_zero_advantage", "dtype", "mixed_precision", "eval_device")
 PHASES = ("generate", "evaluate", "rollout other", "update", "advantages+metrics")
 

@@ -79,6 +79,8 @@ class TrainConfig(RunConfig):
     top_k: int = 0
     generation_backend: str = dataclasses.field(default="hf", metadata={"help": "hf | static"})
     generation_batch_size: int = 64
+    generation_compile: bool = dataclasses.field(default=False, metadata={
+        "help": "static backend on CUDA: torch.compile + CUDA graphs for the decode step (bench/rollout.py)"})
     # --- evaluator
     eval_device: str = dataclasses.field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
     eval_trials: int = 3
@@ -182,7 +184,7 @@ class TrainConfig(RunConfig):
         return GenerationConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                                 top_p=self.top_p, top_k=self.top_k, do_sample=True,
                                 backend=self.generation_backend, batch_size=self.generation_batch_size,
-                                seed=seed)
+                                compile=self.generation_compile, seed=seed)
 
     def rollout_config(self, seed: int) -> RolloutConfig:
         return RolloutConfig(num_generations=self.num_generations, num_turns=self.num_turns,

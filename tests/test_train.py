@@ -368,3 +368,14 @@ def test_update_bench_runs_on_cpu(tmp_path):
     for name in ("mb=1,ckpt=1,chunk=16", "mb=2,ckpt=0,chunk=0", "plain"):
         assert results[name]["ok"] and results[name]["tokens_per_s"] > 0 and results[name]["tokens"] == 128
     assert data["params"] > 0
+
+
+def test_generation_options_reach_the_generation_config():
+    from drkernel.config import parse_config
+    from drkernel.trainer import TrainConfig
+
+    cfg = parse_config(TrainConfig, ["--generation_backend", "static", "--generation_compile", "true",
+                                     "--max_new_tokens", "77"])
+    g = cfg.generation_config(seed=5)
+    assert (g.backend, g.compile, g.max_new_tokens, g.seed) == ("static", True, 77, 5)
+    assert TrainConfig().generation_config().compile is False
