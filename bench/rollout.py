@@ -61,6 +61,26 @@ def run_plain_generate(model, prompts, new_tokens, device):
                        top_p=1.0, pad_token_id=0)
 
 
+def profile_run(fn) -> dict:
+    """Where one generate call's time goes: CUDA kernel totals and how many CUDA graph launches
+    (a compiled step that is not replayed as a graph shows thousands of small kernel launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    cuda = sorted((e for e in events if getattr(e, "device_time_total", 0) > 0),
+                  key=lambda e: -e.device_time_total)
+    graph_launches = sum(e.count for e in events if "cudaGraphLaunch" in e.key)
+    kernel_launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    top = [{"kernel": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 2)} for e in cuda[:12]]
+    summary = {"graph_launches": graph_launches, "kernel_launches": kernel_launches,
+               "device_ms": round(sum(e.device_time_total for e in cuda) / 1e3, 1), "top": top}
+    print(json.dumps(summary, indent=1), flush=True)
+    return summary
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -71,6 +91,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled static backend")
+    ap.add_argument("--methods", default="", help="comma list of substrings: run only matching methods")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, profile one compiled static run: top CUDA kernels and graph launches")
     default_out = (Path(os.environ["OUT"]) / "rollout.json" if os.environ.get("OUT")
                    else Path(__file__).resolve().parent / "results" / "rollout.json")
     ap.add_argument("--out", default=str(default_out))
@@ -96,6 +119,9 @@ def main(argv=None) -> int:
     if device.startswith("cuda") and not args.no_compile:
         methods.append(("ours static compiled", ours("static", True)))
 
+    if args.methods:
+        keys = [k.strip() for k in args.methods.split(",") if k.strip()]
+        methods = [m for m in methods if any(k in m[0] for k in keys)]
     n_tokens = args.batch * args.new_tokens
     rows = []
     for name, fn in methods:
@@ -120,6 +146,10 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"  done: {name}", file=sys.stderr, flush=True)
 
+    profile_summary = None
+    if args.profile and device.startswith("cuda") and not args.no_compile:
+        profile_summary = profile_run(ours("static", True))
+
     import transformers
 
     result = {
@@ -129,6 +159,7 @@ def main(argv=None) -> int:
         "env": {"torch": torch.__version__, "transformers": transformers.__version__,
                 "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None},
         "results": rows,
+        "profile_static_compiled": profile_summary,
     }
     base = next((r.get("tokens_per_s") for r in rows if r.get("tokens_per_s")), None)
     print(f"{'method':<24}{'tokens/s':>12}{'median s':>10}{'vs generate':>13}")

@@ -207,15 +207,24 @@ class _Decoder:
 _COMPILED: dict[int, object] = {}
 
 
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, int(n) - 1).bit_length())
+
+
 def _generate_static(model, tokenizer, prompts, cfg, eos, pad_id) -> list[GenOutput]:
     device = _model_device(model)
     dtype = next(model.parameters()).dtype
+    n_rows = len(prompts)
+    if cfg.compile:
+        # The compiled decode step is specialised on (batch, cache length): round both up to powers
+        # of two so that every turn and step of a run reuses a handful of graphs instead of
+        # recompiling (~30 s each) for each new prompt length. Extra rows repeat prompt 0.
+        prompts = list(prompts) + [prompts[0]] * (_pow2(n_rows) - n_rows)
     ids, mask = left_pad(prompts, pad_id, device)
     bsz, plen = ids.shape
     n_new = int(cfg.max_new_tokens)
     total = plen + n_new
-    # Round the cache length up so compiled graphs are reused across batches of similar length.
-    max_cache_len = -(-total // 64) * 64 if cfg.compile else total
+    max_cache_len = _pow2(total, 256) if cfg.compile else total
     cache = make_static_cache(model, bsz, max_cache_len, device, dtype)
     static = cache is not None
     if not static:
@@ -275,7 +284,7 @@ def _generate_static(model, tokenizer, prompts, cfg, eos, pad_id) -> list[GenOut
     rows_t = tokens[:, :n_done_steps].cpu().tolist()
     rows_l = logps[:, :n_done_steps].cpu().tolist()
     stop = set() if cfg.ignore_eos else set(eos)
-    return [_trim(rows_t[i], rows_l[i], stop) for i in range(bsz)]
+    return [_trim(rows_t[i], rows_l[i], stop) for i in range(n_rows)]
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -40,6 +40,18 @@ def test_greedy_backends_agree_with_hf_generate(model, tiny_tokenizer, prompts):
         assert o.response_ids == ref_ids[: len(o.response_ids)]
 
 
+def test_compile_shape_buckets_keep_rows_and_results(model, tiny_tokenizer, prompts):
+    """With `compile` the static backend pads the batch and the cache to powers of two (one compiled
+    graph serves many shapes; on CPU nothing is compiled, the padding still applies): the same
+    rows come back, with the greedy results of the unpadded run."""
+    plain = generate(model, tiny_tokenizer, prompts, GenerationConfig(max_new_tokens=12, do_sample=False,
+                                                                      backend="static"))
+    padded = generate(model, tiny_tokenizer, prompts, GenerationConfig(max_new_tokens=12, do_sample=False,
+                                                                       backend="static", compile=True))
+    assert len(padded) == len(prompts) == 3
+    assert [o.response_ids for o in padded] == [o.response_ids for o in plain]
+
+
 @pytest.mark.parametrize("backend", ["hf", "static"])
 @pytest.mark.parametrize("temperature,do_sample", [(0.7, False), (1.3, True)])
 def test_logprobs_match_full_forward(model, tiny_tokenizer, prompts, backend, temperature, do_sample):

@@ -44,6 +44,6 @@ class ModelNew(nn.Module):
         M, K = x.shape
         N = w.shape[0]
         y = torch.empty((M, N), device=x.device, dtype=torch.float32)
-        grid = (triton.cdiv(M, 128), triton.cdiv(N, 128))
-        linear_bias_relu_kernel[grid](x, w, bias, y, M, N, K, BM=128, BN=128, BK=8, num_warps=8, num_stages=4)
+        grid = (triton.cdiv(M, 64), triton.cdiv(N, 64))
+        linear_bias_relu_kernel[grid](x, w, bias, y, M, N, K, BM=64, BN=64, BK=32, num_warps=4, num_stages=3)
         return y

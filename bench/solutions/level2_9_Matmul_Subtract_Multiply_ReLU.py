@@ -49,8 +49,8 @@ class ModelNew(nn.Module):
         M, K = x.shape
         N = w.shape[0]
         y = torch.empty((M, N), device=x.device, dtype=torch.float32)
-        grid = (triton.cdiv(M, 128) * triton.cdiv(N, 128),)
+        grid = (triton.cdiv(M, 64) * triton.cdiv(N, 64),)
         matmul_sub_mul_relu_kernel[grid](x, w, b, y, M, N, K, float(self.subtract_value),
-                                         float(self.multiply_value), TM=128, TN=128, TK=8,
-                                         num_warps=8, num_stages=4)
+                                         float(self.multiply_value), TM=64, TN=64, TK=32,
+                                         num_warps=4, num_stages=3)
         return y
