@@ -150,6 +150,9 @@ class KernelBenchEvalConfig:
     resume: bool = True
     build_only: bool = dataclasses.field(default=False, metadata={
         "help": "write the run directories and print the evaluate.py commands, run nothing"})
+    replot: str = dataclasses.field(default="", metadata={
+        "help": "a kernelbench_eval.json: rewrite each run's summary, plots and report.md from its rows "
+                "into <out_dir>/<run>/ (for a GPU run whose plots did not come back), run nothing"})
 
 
 def _ints(text: str) -> list[int]:
@@ -246,10 +249,38 @@ def format_combined(rows: list[dict], run_names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def replot(saved: dict, out: Path) -> dict:
+    """Summary, plots and report.md of every run in a saved kernelbench_eval.json, from its rows."""
+    from drkernel import metrics, report
+
+    summaries = {}
+    for name in saved["runs"]:
+        rows = []
+        for r in saved["rows"]:
+            e = r.get(name)
+            if not e:
+                continue
+            verdict = e.get("verdict")
+            rows.append({"level": r["level"], "problem_id": r["problem_id"], "sample": 0, "turn": 0,
+                         "verdict": verdict, "correct": verdict == "correct",
+                         "compiled": verdict not in (None, "compile_error", "format_error"),
+                         "speedup": e.get("speedup"), "hacks": e.get("hacks") or [],
+                         "triton_time_share": e.get("triton_time_share")})
+        expected = sorted({(r["level"], r["problem_id"]) for r in saved["rows"]})
+        summary = metrics.summarize(rows, expected, samples=1, turns=1)
+        report.write_report(summary, rows, out / name, expected=expected, samples=1, turns=1)
+        print(f"[kernelbench_eval] {name}: report and plots in {out / name}")
+        print(report.format_table(summary))
+        summaries[name] = summary
+    return summaries
+
+
 def main(argv=None) -> dict:
     cfg = parse_config(KernelBenchEvalConfig, argv)
     out = _out_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.replot:
+        return replot(json.loads(Path(cfg.replot).read_text()), out)
     runs = build_runs(cfg, out)
     for run in runs:
         print(f"[kernelbench_eval] {run['name']}: {run['problems']} problem(s) in {run['dir']}\n"

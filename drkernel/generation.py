@@ -216,15 +216,17 @@ def _generate_static(model, tokenizer, prompts, cfg, eos, pad_id) -> list[GenOut
     dtype = next(model.parameters()).dtype
     n_rows = len(prompts)
     if cfg.compile:
-        # The compiled decode step is specialised on (batch, cache length): round both up to powers
-        # of two so that every turn and step of a run reuses a handful of graphs instead of
-        # recompiling (~30 s each) for each new prompt length. Extra rows repeat prompt 0.
+        # The compiled decode step is specialised on (batch, cache length): round the batch up to
+        # a power of two and the cache to a multiple of 256 so that the turns and steps of a run
+        # reuse a handful of graphs instead of recompiling (~30 s each) for every prompt length
+        # (a power-of-two cache, 1024 instead of 768, measured slower on the H200, 11.4k vs 12.8k tokens/s:
+        # decode attention runs over the whole static cache). Extra rows repeat prompt 0.
         prompts = list(prompts) + [prompts[0]] * (_pow2(n_rows) - n_rows)
     ids, mask = left_pad(prompts, pad_id, device)
     bsz, plen = ids.shape
     n_new = int(cfg.max_new_tokens)
     total = plen + n_new
-    max_cache_len = _pow2(total, 256) if cfg.compile else total
+    max_cache_len = -(-total // 256) * 256 if cfg.compile else total
     cache = make_static_cache(model, bsz, max_cache_len, device, dtype)
     static = cache is not None
     if not static:

@@ -41,9 +41,9 @@ def test_greedy_backends_agree_with_hf_generate(model, tiny_tokenizer, prompts):
 
 
 def test_compile_shape_buckets_keep_rows_and_results(model, tiny_tokenizer, prompts):
-    """With `compile` the static backend pads the batch and the cache to powers of two (one compiled
-    graph serves many shapes; on CPU nothing is compiled, the padding still applies): the same
-    rows come back, with the greedy results of the unpadded run."""
+    """With `compile` the static backend pads the batch to a power of two and the cache to a multiple
+    of 256, so one compiled graph serves many shapes (on CPU nothing is compiled; the padding still
+    applies): the same rows come back, with the greedy results of the unpadded run."""
     plain = generate(model, tiny_tokenizer, prompts, GenerationConfig(max_new_tokens=12, do_sample=False,
                                                                       backend="static"))
     padded = generate(model, tiny_tokenizer, prompts, GenerationConfig(max_new_tokens=12, do_sample=False,

@@ -228,3 +228,21 @@ def test_legit_corpus_correct(path):
     r = evaluator.evaluate(str(TASKS / h["task"]), str(path),
                            evaluator.EvalConfig(device="cpu", trials=2, cpu_perf_trials=1, warmup=1, timeout=120.0))
     assert r.verdict == h["expect"].split()[0] and not r.hacks, (r.verdict, r.hacks, r.error)
+
+
+def test_kernelbench_eval_replot_recomputes_metrics_from_saved_rows(tmp_path):
+    """`--replot` rebuilds a run's summary and plots from a saved kernelbench_eval.json."""
+    def entry(verdict, speedup):
+        return {"verdict": verdict, "speedup": speedup, "hacks": [], "triton_time_share": 1.0}
+    saved = {"runs": {"triton": {}}, "rows": [
+        {"level": 1, "problem_id": 19, "triton": entry("correct", 1.5)},
+        {"level": 1, "problem_id": 23, "triton": entry("correct", 0.9)},
+        {"level": 2, "problem_id": 9, "triton": entry("incorrect", None)},
+        {"level": 2, "problem_id": 12},  # never evaluated: counts as a failure
+    ]}
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps(saved))
+    summaries = kbe.main(["--replot", str(path), "--out_dir", str(tmp_path / "out")])
+    s = summaries["triton"]
+    assert s["num_samples"] == 4 and s["correct_rate"] == 0.5 and s["fast_1"] == 0.25
+    assert (tmp_path / "out" / "triton" / "fast_p_curve.png").stat().st_size > 1000
