@@ -21,6 +21,7 @@ same quantity (with the configured T) for the argmax token.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Sequence
@@ -183,6 +184,55 @@ def make_static_cache(model, batch_size: int, max_cache_len: int, device, dtype)
     return None
 
 
+_DECODE_ATTN = "drkernel_sdpa_decode"
+
+
+def _decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                      scaling: float | None = None, **kwargs):
+    """SDPA for one-token decode steps of grouped-query attention without expanding K/V.
+
+    transformers' SDPA path copies every KV head `num_key_value_groups` times per layer and step
+    when compiled (profiled on the H200: about a third of a compiled 0.5B decode step). With one
+    query token, the query heads that share a KV head can instead act as that head's query rows;
+    the result is the same attention. Prefill and non-GQA calls use transformers' own SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+    b, h, q_len, d = query.shape
+    mask = attention_mask
+    if q_len != 1 or groups == 1 or (mask is not None and (mask.dim() != 4 or mask.shape[1] != 1)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    hkv, kv_len = key.shape[1], key.shape[2]
+    q = query.reshape(b, hkv, groups, d)  # head kv * groups + g -> (kv, row g)
+    if mask is not None:
+        mask = mask[:, :, :, :kv_len].expand(b, 1, groups, kv_len)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, 1, h, d), None
+
+
+@contextlib.contextmanager
+def decode_attention(model):
+    """Use `_decode_attention` inside the block when the model runs transformers' SDPA."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        AttentionInterface.register(_DECODE_ATTN, _decode_attention)
+        AttentionMaskInterface.register(_DECODE_ATTN, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    except Exception:  # a transformers without these interfaces: keep its own SDPA
+        yield
+        return
+    config._attn_implementation = _DECODE_ATTN
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
+
+
 class _Decoder:
     """One model forward through a KV cache; keyword names adapt to the transformers version."""
 
@@ -313,15 +363,17 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: GenerationConfig |
     run = _generate_hf if cfg.backend == "hf" else _generate_static
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outputs: list[GenOutput | None] = [None] * len(prompts)
+    attention = decode_attention(model) if cfg.backend == "static" else contextlib.nullcontext()
     try:
-        for start in range(0, len(order), max(1, cfg.batch_size)):
-            idx = order[start:start + max(1, cfg.batch_size)]
-            chunk_cfg = cfg
-            if cfg.seed is not None and start:
-                chunk_cfg = dataclasses.replace(cfg, seed=int(cfg.seed) + start)
-            for i, out in zip(idx, run(model, tokenizer, [list(prompts[i]) for i in idx],
-                                       chunk_cfg, eos, pad_id)):
-                outputs[i] = out
+        with attention:
+            for start in range(0, len(order), max(1, cfg.batch_size)):
+                idx = order[start:start + max(1, cfg.batch_size)]
+                chunk_cfg = cfg
+                if cfg.seed is not None and start:
+                    chunk_cfg = dataclasses.replace(cfg, seed=int(cfg.seed) + start)
+                for i, out in zip(idx, run(model, tokenizer, [list(prompts[i]) for i in idx],
+                                           chunk_cfg, eos, pad_id)):
+                    outputs[i] = out
     finally:
         if was_training:
             model.train()

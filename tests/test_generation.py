@@ -115,3 +115,44 @@ def test_bench_rollout_cpu_smoke(tmp_path):
     assert [r["method"] for r in data["results"]][:3] == ["hf model.generate", "ours hf (+logits)",
                                                           "ours static eager"]
     assert all(r.get("tokens_per_s", 0) > 0 for r in data["results"]), data["results"]
+
+
+def test_decode_attention_matches_transformers_sdpa():
+    """Query heads folded onto their shared KV head give transformers' SDPA result (GQA, one
+    query token, a padding mask), without the per-step K/V expansion."""
+    import types
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from drkernel.generation import _decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    b, h, hkv, d, kv_len = 3, 8, 2, 16, 11
+    module = types.SimpleNamespace(num_key_value_groups=h // hkv, is_causal=True, training=False)
+    q = torch.randn(b, h, 1, d, generator=g)
+    k, v = torch.randn(b, hkv, kv_len, d, generator=g), torch.randn(b, hkv, kv_len, d, generator=g)
+    mask = torch.ones(b, 1, 1, kv_len, dtype=torch.bool)
+    mask[0, :, :, :4] = False  # left padding of row 0
+    mask[2, :, :, -2:] = False  # unfilled cache slots
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=d ** -0.5)
+    got, _ = _decode_attention(module, q, k, v, mask, scaling=d ** -0.5)
+    assert got.shape == want.shape == (b, 1, h, d)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_static_backend_decodes_through_the_gqa_attention(model, tiny_tokenizer, prompts, monkeypatch):
+    from drkernel import generation
+
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # the fixture is GQA
+    calls = []
+    real = generation._decode_attention
+
+    def counting(module, query, *a, **kw):
+        calls.append(query.shape[2])
+        return real(module, query, *a, **kw)
+    monkeypatch.setattr(generation, "_decode_attention", counting)
+    before = model.config._attn_implementation
+    outs = generate(model, tiny_tokenizer, prompts, GenerationConfig(max_new_tokens=6, do_sample=False,
+                                                                     backend="static"))
+    assert model.config._attn_implementation == before  # restored after generation
+    assert calls and 1 in calls, "decode steps did not go through _decode_attention"
+    hf = generate(model, tiny_tokenizer, prompts, GenerationConfig(max_new_tokens=6, do_sample=False, backend="hf"))
+    assert [o.response_ids for o in outs] == [o.response_ids for o in hf]
