@@ -2,9 +2,11 @@
 
 Parent side (`evaluate`, `Evaluator`, the CLI): read the two programs, run cheap static
 checks, then run `_child_evaluate` in a sandboxed child process and map its outcome to an
-`EvalResult`. Child side: the reference is imported and timed before any candidate code is
-imported; the candidate always runs first on a trial's inputs, while no reference output
-exists in the process (a never-run template of the reference model does; see docs/hacks.md). See docs/hacks.md for every hack code.
+`EvalResult`. Child side: the reference is imported and timed alone before any candidate code
+is imported; the candidate always runs first on a trial's inputs, while no reference output
+exists in the process (a never-run template of the reference model does); the speedup comes from
+reference and candidate timed interleaved after the correctness trials. See docs/hacks.md for
+every hack code and the timing protocol.
 """
 
 from __future__ import annotations
