@@ -965,18 +965,27 @@ class Trainer:
 def _generation_mode(model):
     """Eval mode (no dropout) and the KV cache on while sampling; back to training afterwards.
 
-    Compiled decoder layers (`torch_compile`) run eagerly here: decoding with a KV cache would
-    otherwise recompile them for every cache shape and layer index."""
+    Decoder layers compiled for the update (`torch_compile`) run eagerly here: decoding with a KV
+    cache would otherwise recompile them for every cache shape and layer index. Only those layers
+    are switched off (a global `force_eager` stance would also switch off `generation_compile`'s
+    compiled decode step)."""
+    from drkernel.modeling import decoder_layers
+
     config = getattr(model, "config", None)
     use_cache = getattr(config, "use_cache", None)
     was_training = model.training
     model.eval()
     if config is not None:
         config.use_cache = True
+    compiled = [(m, m._compiled_call_impl) for m in decoder_layers(model)
+                if getattr(m, "_compiled_call_impl", None) is not None]
+    for m, _ in compiled:
+        m._compiled_call_impl = None  # nn.Module.compile's slot: None = the plain forward
     try:
-        with torch.compiler.set_stance("force_eager"):
-            yield model
+        yield model
     finally:
+        for m, impl in compiled:
+            m._compiled_call_impl = impl
         if config is not None and use_cache is not None:
             config.use_cache = use_cache
         model.train(was_training)

@@ -210,6 +210,12 @@ def test_trainer_compiles_the_policy_not_its_reference_and_samples_eagerly(tiny_
         out = policy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                               pad_token_id=tok.pad_token_id)
     assert counters["stats"]["unique_graphs"] == graphs
+    # ... while a compiled decode step (`generation_compile`) still compiles inside it
+    step = torch.compile(lambda x: x * 2 + 1, backend="aot_eager")
+    with _generation_mode(policy):
+        step(torch.ones(3))
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    assert all(layer._compiled_call_impl is not None for layer in decoder_layers(policy))  # restored
     ref_out = eager_copy.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                                   pad_token_id=tok.pad_token_id)
     assert torch.equal(out, ref_out)  # the policy has not moved yet: same greedy text as its copy
