@@ -973,7 +973,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
         snap_out = _clone(cand_out)
         prev_outs = [cand_out]  # keep the previous output alive for the reuse check
         del inputs
-        # reference, built only now: it never exists while candidate code runs
+        # the reference runs only now, as a fresh copy of the never-run template
         torch.manual_seed(seed)
         ref_model = new_ref()
         ref_in = _clone(pristine)
@@ -1030,7 +1030,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     # 9. timing: reference and candidate alternate in blocks (R C, C R, R C, ...), so that both are
     # timed in the same allocator, cache, clock and thermal state; timed apart, memory-bound
     # kernels measured 5-10 % slower in whichever ran later. Same protocol for both.
-    ref_model = new_ref()
+    timed_ref = new_ref()
 
     def verify(kept: dict, label: str):
         for i, (s, o) in sorted(kept.items()):
@@ -1045,7 +1045,7 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
 
     with torch.no_grad():
         for i in range(max(1, int(cfg["warmup"]))):
-            ref_model(*_gen_inputs(ref_mod, seed + 200000 + i, device))
+            timed_ref(*_gen_inputs(ref_mod, seed + 200000 + i, device))
             cand_model(*_gen_inputs(ref_mod, seed + 200000 + i, device))
         _sync(device)
     n_blocks = max(1, min(int(cfg["timing_blocks"]), perf_n))
@@ -1054,28 +1054,30 @@ def _child_body(reference_path: str, candidate_path: str, cfg: dict, out: dict) 
     keep = set(sr.sample(range(perf_n), min(2, perf_n))) | {perf_n - 1}
     ct: dict[str, list] = {"event_ms": [], "host_ms": [], "gap_ms": [], "launch_counts": []}
     ref_times: list[float] = []
+
+    def time_ref(idx: range):
+        try:
+            ref_times.extend(timer.run(timed_ref, ref_mod, [seed + 100000 + i for i in idx])["event_ms"])
+        except BaseException as exc:
+            raise _Stop("runtime_error", _exc_error("the reference raised while timing", exc))
+
+    def time_cand(idx: range):
+        try:
+            blk = timer.run(cand_model, ref_mod, [seed + 300000 + i for i in idx],
+                            keep={i - idx.start for i in idx if i in keep})
+        except BaseException as exc:
+            raise _Stop("runtime_error", _exc_error("forward raised while timing", exc))
+        for k in ct:
+            ct[k] += blk[k]
+        verify({idx.start + j: v for j, v in blk["kept"].items()}, "timed")  # then the kept outputs go
+
     with timer.lock():
         for b in range(n_blocks):
-            idx = range(bounds[b], bounds[b + 1])
-            for who in (("ref", "cand") if b % 2 == 0 else ("cand", "ref")):
-                if who == "ref":
-                    try:
-                        ref_times += timer.run(ref_model, ref_mod, [seed + 100000 + i for i in idx])["event_ms"]
-                    except BaseException as exc:
-                        raise _Stop("runtime_error", _exc_error("the reference raised while timing", exc))
-                    continue
-                try:
-                    blk = timer.run(cand_model, ref_mod, [seed + 300000 + i for i in idx],
-                                    keep={i - idx.start for i in idx if i in keep})
-                except BaseException as exc:
-                    raise _Stop("runtime_error", _exc_error("forward raised while timing", exc))
-                for k in ct:
-                    ct[k] += blk[k]
-                verify({idx.start + j: v for j, v in blk["kept"].items()}, "timed")  # frees the kept outputs
-                del blk
+            for time_block in ((time_ref, time_cand) if b % 2 == 0 else (time_cand, time_ref)):
+                time_block(range(bounds[b], bounds[b + 1]))
     with torch.no_grad():
         check_integrity("after timing")
-    del ref_model
+    timed_ref = None  # frees the timing reference before profiling
     out["ref_ms"] = ref_ms = _median(ref_times)
     if device.type == "cuda" and ref_ms > cfg["ref_slowdown_limit"] * ref_isolated_ms + cfg["side_stream_slack_ms"]:
         hack("reference_slowed", f"the reference took {ref_ms:.4f} ms next to the candidate vs {ref_isolated_ms:.4f} ms "

@@ -257,8 +257,8 @@ class _Decoder:
 _COMPILED: dict[int, object] = {}
 
 
-def _pow2(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(0, int(n) - 1).bit_length())
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def _generate_static(model, tokenizer, prompts, cfg, eos, pad_id) -> list[GenOutput]:
@@ -267,10 +267,10 @@ def _generate_static(model, tokenizer, prompts, cfg, eos, pad_id) -> list[GenOut
     n_rows = len(prompts)
     if cfg.compile:
         # The compiled decode step is specialised on (batch, cache length): round the batch up to
-        # a power of two and the cache to a multiple of 256 so that the turns and steps of a run
-        # reuse a handful of graphs instead of recompiling (~30 s each) for every prompt length
-        # (a power-of-two cache, 1024 instead of 768, measured slower on the H200, 11.4k vs 12.8k tokens/s:
-        # decode attention runs over the whole static cache). Extra rows repeat prompt 0.
+        # a power of two and the cache to a multiple of 256, so that the turns and steps of a run
+        # reuse a few graphs instead of recompiling for every prompt length. (A power-of-two cache,
+        # 1024 instead of 768, measured slower on the H200: 11.4k vs 12.8k tokens/s; decode
+        # attention runs over the whole static cache.) Extra rows repeat prompt 0.
         prompts = list(prompts) + [prompts[0]] * (_pow2(n_rows) - n_rows)
     ids, mask = left_pad(prompts, pad_id, device)
     bsz, plen = ids.shape
