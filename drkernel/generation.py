@@ -41,6 +41,7 @@ class GenerationConfig:
     seed: int | None = None  # reproducible sampling when set
     ignore_eos: bool = False  # always produce max_new_tokens (benchmarks)
     compile: bool = False  # static backend: torch.compile the decode step (CUDA only)
+    gqa_decode: bool = True  # static backend: decode attention without the K/V head expansion
 
 
 @dataclasses.dataclass
@@ -89,29 +90,54 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[tor
     return ids.to(device), mask.to(device)
 
 
-def sample_next(logits: torch.Tensor, cfg: GenerationConfig,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B], logprobs [B]) from raw logits [B, V] (see the module docstring)."""
+def _pick(logits: torch.Tensor, noise: torch.Tensor | None, temp: float, top_k: int, top_p: float,
+          greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], logprobs [B]) from raw logits [B, V] and uniform noise [B, V] in [0, 1).
+
+    Sampling is Gumbel-max: argmax(scores + Gumbel noise) is an exact draw from softmax(scores),
+    and unlike `torch.multinomial` it is a few elementwise passes and one argmax that
+    `torch.compile` fuses. Top-k / top-p set the dropped scores to -inf first."""
     logits = logits.float()
-    temp = logprob_temperature(cfg)
-    logp = torch.log_softmax(logits / temp, dim=-1)
-    if not cfg.do_sample:
+    scores = logits / temp
+    logp = torch.log_softmax(scores, dim=-1)
+    if greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        scores = logits / temp
-        if cfg.top_k and 0 < cfg.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, cfg.top_k, dim=-1).values[..., -1:]
+        if top_k and 0 < top_k < scores.shape[-1]:
+            kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
             scores = scores.masked_fill(scores < kth, float("-inf"))
-        if cfg.top_p is not None and cfg.top_p < 1.0:
+        if top_p is not None and top_p < 1.0:
             sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
             probs = torch.softmax(sorted_scores, dim=-1)
             # drop a token when the tokens strictly before it already cover top_p (keeps >= 1)
-            drop = (probs.cumsum(dim=-1) - probs) > cfg.top_p
+            drop = (probs.cumsum(dim=-1) - probs) > top_p
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
-        probs = torch.softmax(scores, dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        # float32 uniforms come in steps of 2**-24; the clamp keeps a 0 from becoming log(0)
+        gumbel = -torch.log(-torch.log(noise.clamp_min(2.0 ** -30)))
+        tokens = (scores + gumbel).argmax(dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+_COMPILED_PICK = None
+
+
+def sample_next(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator | None = None,
+                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], logprobs [B]) from raw logits [B, V] (see the module docstring).
+
+    `compiled`: run the token choice through `torch.compile` (CUDA decode loop), so the
+    full-vocabulary passes become a few fused kernels instead of about ten."""
+    global _COMPILED_PICK
+    greedy = not cfg.do_sample
+    noise = None if greedy else torch.rand(logits.shape, generator=generator, device=logits.device)
+    pick = _pick
+    if compiled:
+        if _COMPILED_PICK is None:
+            _COMPILED_PICK = torch.compile(_pick, dynamic=False)
+        pick = _COMPILED_PICK
+    return pick(logits, noise, logprob_temperature(cfg), int(cfg.top_k or 0),
+                1.0 if cfg.top_p is None else float(cfg.top_p), greedy)
 
 
 def _trim(row_ids: list[int], row_lp: list[float], eos: set[int]) -> GenOutput:
@@ -315,7 +341,7 @@ def _generate_static(model, tokenizer, prompts, cfg, eos, pad_id) -> list[GenOut
     logits = decoder(ids, pre_mask, positions, cache, torch.arange(plen, device=device))
     check_every = 8 if device.type == "cuda" else 1
     for step in range(n_new):
-        tok, lp = sample_next(logits, cfg, gen)
+        tok, lp = sample_next(logits, cfg, gen, compiled=use_compile)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         tokens[:, step] = tok
         logps[:, step] = torch.where(done, torch.zeros_like(lp), lp)
@@ -363,7 +389,8 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: GenerationConfig |
     run = _generate_hf if cfg.backend == "hf" else _generate_static
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     outputs: list[GenOutput | None] = [None] * len(prompts)
-    attention = decode_attention(model) if cfg.backend == "static" else contextlib.nullcontext()
+    attention = (decode_attention(model) if cfg.backend == "static" and cfg.gqa_decode
+                 else contextlib.nullcontext())
     try:
         with attention:
             for start in range(0, len(order), max(1, cfg.batch_size)):

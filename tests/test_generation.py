@@ -156,3 +156,30 @@ def test_static_backend_decodes_through_the_gqa_attention(model, tiny_tokenizer,
     assert calls and 1 in calls, "decode steps did not go through _decode_attention"
     hf = generate(model, tiny_tokenizer, prompts, GenerationConfig(max_new_tokens=6, do_sample=False, backend="hf"))
     assert [o.response_ids for o in outs] == [o.response_ids for o in hf]
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (2, 1.0), (0, 0.7)])
+def test_gumbel_sampling_draws_from_the_filtered_softmax(top_k, top_p):
+    """The static backend samples by Gumbel-max: token frequencies follow softmax(logits / T)
+    restricted to the top-k / top-p set, while the logprob stays the full-vocabulary one."""
+    from drkernel.generation import sample_next
+
+    temp = 0.8
+    base = torch.tensor([2.0, 1.5, 0.5, 0.0, -1.0])
+    n = 40000
+    cfg = GenerationConfig(temperature=temp, top_k=top_k, top_p=top_p)
+    gen = torch.Generator().manual_seed(0)
+    tokens, logps = sample_next(base.repeat(n, 1), cfg, gen)
+    full = torch.softmax(base / temp, dim=-1)
+    keep = torch.ones(5, dtype=torch.bool)
+    if top_k:
+        keep[top_k:] = False
+    if top_p < 1.0:
+        keep = (full.cumsum(0) - full) <= top_p  # logits are sorted, so this is the nucleus
+    want = torch.where(keep, full, torch.zeros_like(full))
+    want = want / want.sum()
+    freq = torch.bincount(tokens, minlength=5).double() / n
+    assert keep.sum() < 5 or top_k == 0 and top_p == 1.0
+    assert torch.all(freq[~keep] == 0)
+    assert torch.allclose(freq, want.double(), atol=0.01), (freq, want)
+    torch.testing.assert_close(logps, torch.log(full)[tokens], rtol=0, atol=1e-5)
