@@ -183,3 +183,18 @@ def test_gumbel_sampling_draws_from_the_filtered_softmax(top_k, top_p):
     assert torch.all(freq[~keep] == 0)
     assert torch.allclose(freq, want.double(), atol=0.01), (freq, want)
     torch.testing.assert_close(logps, torch.log(full)[tokens], rtol=0, atol=1e-5)
+
+
+def test_compiled_pick_matches_eager():
+    """The CUDA decode loop runs the token choice through torch.compile (fullgraph here, so a
+    graph break would fail): same tokens and logprobs as eager, for the given noise."""
+    from drkernel.generation import _pick
+
+    compiled = torch.compile(_pick, dynamic=False, fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    x, u = torch.randn(4, 1000, generator=g), torch.rand(4, 1000, generator=g)
+    for top_k, top_p, greedy in [(0, 1.0, False), (50, 0.9, False), (0, 1.0, True)]:
+        want = _pick(x, None if greedy else u, 0.7, top_k, top_p, greedy)
+        got = compiled(x, None if greedy else u, 0.7, top_k, top_p, greedy)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
