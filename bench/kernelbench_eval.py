@@ -29,6 +29,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -275,6 +276,21 @@ def replot(saved: dict, out: Path) -> dict:
     return summaries
 
 
+def flat_copies(runs: list[dict]) -> list[Path]:
+    """Copy each run's plots and report to the top of $OUT as `<run>_<file>`: the device tool does
+    not bring back files from deep or crowded folders (the run folders hold every candidate)."""
+    top = os.environ.get("OUT")
+    copied: list[Path] = []
+    if not top:
+        return copied
+    for run in runs:
+        for src in sorted(Path(run["dir"]).glob("*.png")) + sorted(Path(run["dir"]).glob("report.md")):
+            dst = Path(top) / f"{run['name']}_{src.name}"
+            shutil.copyfile(src, dst)
+            copied.append(dst)
+    return copied
+
+
 def main(argv=None) -> dict:
     cfg = parse_config(KernelBenchEvalConfig, argv)
     out = _out_dir(cfg)
@@ -303,6 +319,7 @@ def main(argv=None) -> dict:
             continue
         result["runs"][run["name"]] = {k: v for k, v in summary.items() if k not in ("per_turn", "best_of_turns")}
     result["rows"] = combined_rows(runs)
+    flat_copies(runs)
     print("\n" + format_combined(result["rows"], [r["name"] for r in runs]))
     path = out / "kernelbench_eval.json"
     path.write_text(dumps(result, indent=1))

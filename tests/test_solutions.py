@@ -191,9 +191,13 @@ def test_kernelbench_eval_builds_flat_dirs_without_datasets(kernelbench_path, tm
     assert argv[argv.index("--require_triton") + 1] == "false"
 
 
-def test_kernelbench_eval_cpu_smoke(kernelbench_path, tmp_path, capsys):
+def test_kernelbench_eval_cpu_smoke(kernelbench_path, tmp_path, capsys, monkeypatch):
     """End to end on CPU: shrunk ReLU through evaluate.py twice (Triton, then the reference as a
-    torch-only candidate with --require_triton false), combined table and JSON."""
+    torch-only candidate with --require_triton false), combined table and JSON; with $OUT set,
+    each run's report and plots are also copied flat to its top."""
+    top = tmp_path / "device_out"
+    top.mkdir()
+    monkeypatch.setenv("OUT", str(top))
     result = kbe.main(["--tasks", str(kernelbench_path), "--levels", "1", "--problem_ids", "19",
                        "--device", "cpu", "--shrink", "true", "--out_dir", str(tmp_path),
                        "--trials", "1", "--perf_trials", "2"])
@@ -208,6 +212,8 @@ def test_kernelbench_eval_cpu_smoke(kernelbench_path, tmp_path, capsys):
     # the reference rows were evaluated without the Triton requirement, the Triton ones with it
     ref_rows = [json.loads(line) for line in (tmp_path / "reference" / "results.jsonl").read_text().splitlines()]
     assert [r["require_triton"] for r in ref_rows] == [False]
+    flat = sorted(p.name for p in top.iterdir())
+    assert {"triton_report.md", "reference_report.md", "triton_fast_p_curve.png"} <= set(flat), flat
 
 
 # ---- legit-but-unusual candidates must not be flagged (false-positive guard) ----------------
