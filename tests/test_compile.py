@@ -45,14 +45,6 @@ def aot_eager(monkeypatch):
     monkeypatch.setenv("DRKERNEL_COMPILE_BACKEND", "aot_eager")
 
 
-@pytest.fixture
-def scalar_cpp(monkeypatch):
-    """Inductor's C++ without SIMD intrinsics: the same graphs and fusions, ~3x faster to compile."""
-    import torch._inductor.config
-
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
-
-
 def _accelerator():
     from accelerate import Accelerator
 
