@@ -91,7 +91,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled static backend")
-    ap.add_argument("--methods", default="", help="comma list of substrings: run only matching methods")
+    ap.add_argument("--dynamic-shapes", action="store_true",
+                    help="add a compiled run after two other prompt lengths: dynamo then compiles the decode "
+                         "step with dynamic batch/cache sizes, as it does in train.py once turns change shape")
+    ap.add_argument("--methods", default="", help="comma list of substrings (or =exact names): run only matching methods")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile one compiled static run: top CUDA kernels and graph launches")
     default_out = (Path(os.environ["OUT"]) / "rollout.json" if os.environ.get("OUT")
@@ -113,6 +116,25 @@ def main(argv=None) -> int:
                                compile=compile_, seed=0, gqa_decode=gqa_decode)
         return lambda: generate(model, tokenizer, prompts, cfg)
 
+    def dynamic_shapes(run):
+        """The first call first decodes half the batch, then a quarter of it with 512 more prompt
+        tokens (other batch and cache sizes); automatic dynamic shapes then make the compiled
+        step's sizes symbolic for the timed shape. Dynamo's caches are reset first, so the static
+        graph compiled for the timed shape by an earlier method cannot be picked."""
+        state = {"warm": False}
+
+        def fn():
+            if not state["warm"]:
+                torch._dynamo.reset()
+                for rows, extra in ((max(1, args.batch // 2), 0), (max(1, args.batch // 4), 512)):
+                    other = [p + (p * 2)[:extra] for p in prompts[:rows]]
+                    generate(model, tokenizer, other, GenerationConfig(
+                        max_new_tokens=8, backend="static", batch_size=args.batch, ignore_eos=True,
+                        compile=True, seed=0))
+                state["warm"] = True
+            run()
+        return fn
+
     methods = [("hf model.generate", lambda: run_plain_generate(model, prompts, args.new_tokens, device)),
                ("ours hf (+logits)", ours("hf", False)),
                ("ours static eager", ours("static", False))]
@@ -121,10 +143,12 @@ def main(argv=None) -> int:
         # what the GQA decode attention is worth
         methods.append(("ours static compiled kv-expand", ours("static", True, gqa_decode=False)))
         methods.append(("ours static compiled", ours("static", True)))
+        if args.dynamic_shapes:
+            methods.append(("ours static compiled dynamic-shapes", dynamic_shapes(ours("static", True))))
 
     if args.methods:
         keys = [k.strip() for k in args.methods.split(",") if k.strip()]
-        methods = [m for m in methods if any(k in m[0] for k in keys)]
+        methods = [m for m in methods if any(m[0] == k[1:] if k.startswith("=") else k in m[0] for k in keys)]
     n_tokens = args.batch * args.new_tokens
     rows = []
     for name, fn in methods:
