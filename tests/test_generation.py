@@ -198,3 +198,31 @@ def test_compiled_pick_matches_eager(scalar_cpp):
         got = compiled(x, None if greedy else u, 0.7, top_k, top_p, greedy)
         assert torch.equal(got[0], want[0])
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
+
+
+def test_decode_step_compiles_few_graphs_over_many_shapes(model):
+    """train.py's decode step meets many (batch, cache) sizes; dynamo must switch to dynamic sizes
+    rather than add a graph per size (past its recompile limit it would silently run eagerly)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from drkernel import generation as G
+
+    torch._dynamo.reset()
+    counters.clear()
+    decoder = G._Decoder(model)
+    step = torch.compile(decoder.__call__, backend="eager")
+    shapes = [(4, 256), (4, 512), (8, 512), (4, 768), (2, 1024), (8, 1536), (16, 2048), (4, 2560),
+              (4, 2816), (2, 3072)]
+    assert len(shapes) > torch._dynamo.config.recompile_limit
+    vocab = model.config.vocab_size
+    with torch.inference_mode(), G.decode_attention(model):
+        for b, length in shapes:
+            cache = G.make_static_cache(model, b, length, "cpu", torch.float32)
+            ids = torch.randint(0, vocab, (b, 5))
+            mask = torch.zeros(b, length, dtype=torch.long)
+            mask[:, :6] = 1
+            decoder(ids, mask, torch.arange(5)[None].expand(b, 5), cache, torch.arange(5))
+            got = step(ids[:, :1], mask, torch.full((b, 1), 5), cache, torch.tensor([5]))
+            assert got.shape == (b, vocab) and torch.isfinite(got).all()
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    torch._dynamo.reset()
