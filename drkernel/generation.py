@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 from typing import Sequence
 
@@ -106,7 +107,7 @@ def _pick(logits: torch.Tensor, noise: torch.Tensor | None, temp: float, top_k: 
         if top_k and 0 < top_k < scores.shape[-1]:
             kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
             scores = scores.masked_fill(scores < kth, float("-inf"))
-        if top_p is not None and top_p < 1.0:
+        if top_p < 1.0:
             sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
             probs = torch.softmax(sorted_scores, dim=-1)
             # drop a token when the tokens strictly before it already cover top_p (keeps >= 1)
@@ -119,7 +120,9 @@ def _pick(logits: torch.Tensor, noise: torch.Tensor | None, temp: float, top_k: 
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-_COMPILED_PICK = None
+@functools.cache
+def _compiled_pick():
+    return torch.compile(_pick, dynamic=False)
 
 
 def sample_next(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator | None = None,
@@ -128,14 +131,9 @@ def sample_next(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Ge
 
     `compiled`: run the token choice through `torch.compile` (CUDA decode loop), so the
     full-vocabulary passes become a few fused kernels instead of about ten."""
-    global _COMPILED_PICK
     greedy = not cfg.do_sample
     noise = None if greedy else torch.rand(logits.shape, generator=generator, device=logits.device)
-    pick = _pick
-    if compiled:
-        if _COMPILED_PICK is None:
-            _COMPILED_PICK = torch.compile(_pick, dynamic=False)
-        pick = _COMPILED_PICK
+    pick = _compiled_pick() if compiled else _pick
     return pick(logits, noise, logprob_temperature(cfg), int(cfg.top_k or 0),
                 1.0 if cfg.top_p is None else float(cfg.top_p), greedy)
 
@@ -292,11 +290,13 @@ def _generate_static(model, tokenizer, prompts, cfg, eos, pad_id) -> list[GenOut
     dtype = next(model.parameters()).dtype
     n_rows = len(prompts)
     if cfg.compile:
-        # The compiled decode step is specialised on (batch, cache length): round the batch up to
-        # a power of two and the cache to a multiple of 256, so that the turns and steps of a run
-        # reuse a few graphs instead of recompiling for every prompt length. (A power-of-two cache,
-        # 1024 instead of 768, measured slower on the H200: 11.4k vs 12.8k tokens/s; decode
-        # attention runs over the whole static cache.) Extra rows repeat prompt 0.
+        # CUDA graphs are recorded per concrete (batch, cache length), even once dynamo has
+        # compiled the step with dynamic sizes (after the second size it meets): round the batch
+        # up to a power of two and the cache to a multiple of 256, so that the turns and steps of
+        # a run replay a few recorded graphs instead of recording one per prompt length. (A
+        # power-of-two cache, 1024 instead of 768, measured slower on the H200 in session 2:
+        # 11.4k vs 12.8k tokens/s; decode attention runs over the whole static cache.) Extra rows
+        # repeat prompt 0.
         prompts = list(prompts) + [prompts[0]] * (_pow2(n_rows) - n_rows)
     ids, mask = left_pad(prompts, pad_id, device)
     bsz, plen = ids.shape
