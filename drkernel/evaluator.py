@@ -1293,7 +1293,7 @@ class _Prepared:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _finish(r: EvalResult, cfg: EvalConfig, wall: float) -> EvalResult:
+def _finish(r: EvalResult, cfg: EvalConfig, wall: float, reward_config=None) -> EvalResult:
     if r.verdict != "correct":
         r.correct = False
         r.speedup = None
@@ -1304,7 +1304,7 @@ def _finish(r: EvalResult, cfg: EvalConfig, wall: float) -> EvalResult:
     r.wall_s = wall
     try:
         from drkernel import rewards
-        terms = rewards.compute_reward(r.to_dict(), rewards.RewardConfig())
+        terms = rewards.compute_reward(r, reward_config or rewards.RewardConfig())
         r.reward = float(terms.reward)
         r.reward_terms = terms.to_dict()
     except Exception:
@@ -1312,14 +1312,16 @@ def _finish(r: EvalResult, cfg: EvalConfig, wall: float) -> EvalResult:
     return r
 
 
-def evaluate(reference, candidate, cfg: EvalConfig | None = None, sandbox=None) -> EvalResult:
-    """Evaluate one candidate (file path or source) against one reference (file path or source)."""
+def evaluate(reference, candidate, cfg: EvalConfig | None = None, sandbox=None,
+             reward_config=None) -> EvalResult:
+    """Evaluate one candidate (file path or source) against one reference (file path or source).
+    `reward_config` (a `rewards.RewardConfig`, default weights when None) fills `reward`."""
     cfg = cfg or EvalConfig()
     t0 = _perf()
     prep = _Prepared(reference, candidate, cfg)
     try:
         if prep.early is not None:
-            return _finish(prep.early, cfg, _perf() - t0)
+            return _finish(prep.early, cfg, _perf() - t0, reward_config)
         env = _sandbox_env(cfg.device)
         if sandbox is None:
             from drkernel.sandbox import ForkServer
@@ -1329,7 +1331,7 @@ def evaluate(reference, candidate, cfg: EvalConfig | None = None, sandbox=None) 
         else:
             res = sandbox.run(target="drkernel.evaluator:_child_evaluate", kwargs=prep.kwargs(),
                               limits=_limits(cfg), env=env)
-        return _finish(_map_status(res), cfg, _perf() - t0)
+        return _finish(_map_status(res), cfg, _perf() - t0, reward_config)
     finally:
         prep.close()
 
@@ -1349,8 +1351,9 @@ def _owned_server(cls, env):
 class Evaluator:
     """Holds sandbox workers for many evaluations; one worker per GPU when several are visible."""
 
-    def __init__(self, cfg: EvalConfig | None = None, workers: int | None = None):
+    def __init__(self, cfg: EvalConfig | None = None, workers: int | None = None, reward_config=None):
         self.cfg = cfg or EvalConfig()
+        self.reward_config = reward_config
         self.pool = None
         self.server = None
         env = _sandbox_env(self.cfg.device)
@@ -1377,7 +1380,7 @@ class Evaluator:
             self.server = sb.ForkServer(env=env, preload=_PRELOAD)
 
     def evaluate(self, reference, candidate) -> EvalResult:
-        return evaluate(reference, candidate, self.cfg, sandbox=self.server)
+        return evaluate(reference, candidate, self.cfg, sandbox=self.server, reward_config=self.reward_config)
 
     def evaluate_many(self, pairs) -> list[EvalResult]:
         pairs = list(pairs)
@@ -1392,10 +1395,11 @@ class Evaluator:
             results = list(self.pool.map(jobs)) if jobs else []
             out: list[EvalResult | None] = [None] * len(preps)
             for i, res in zip(idx, results):
-                out[i] = _finish(_map_status(res), self.cfg, _perf() - t0)
+                out[i] = _finish(_map_status(res), self.cfg, _perf() - t0, self.reward_config)
             for i, p in enumerate(preps):
                 if out[i] is None:
-                    out[i] = _finish(p.early or EvalResult(error="not run"), self.cfg, _perf() - t0)
+                    out[i] = _finish(p.early or EvalResult(error="not run"), self.cfg, _perf() - t0,
+                                     self.reward_config)
             return out  # type: ignore[return-value]
         finally:
             for p in preps:
