@@ -1,8 +1,9 @@
 """Hack-detection benchmark (GPU): every hostile and legit fixture through the evaluator.
 
 Reads tests/fixtures/{hacks,faults,legit}/*.py (headers `# task:`, `# expect:`, `# device:`),
-evaluates each on the GPU against its bundled task, and checks the verdict and hack code.
-Also evaluates the level-2 "GEMM in torch + Triton epilogue" solution, whose Triton time
+evaluates each on the GPU against its bundled task, and checks the verdict and hack code; then the
+attack fixtures (tests/fixtures/attacks, docs/security.md): verdict, nothing reached a local
+listener, nothing left behind. Also evaluates the level-2 "GEMM in torch + Triton epilogue" solution, whose Triton time
 share must stay under 0.3.
 
     python bench/hacks.py --out results.json
@@ -14,6 +15,8 @@ import argparse
 import json
 import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
+from tests.fixtures.attacks import harness as attacks  # noqa: E402
 
 
 def headers(path: Path) -> dict[str, str]:
@@ -37,6 +41,26 @@ def check(expect: str, res) -> bool:
     if parts[0] == "hacked":
         return res.verdict == "hacked" and (len(parts) == 1 or parts[1] in res.hacks)
     return res.verdict == parts[0]
+
+
+def run_attacks(ev, only: str) -> list[dict]:
+    """The attack fixtures (tests/fixtures/attacks): verdict, listener, leftovers."""
+    rows = []
+    for path in attacks.fixtures():
+        if only and not any(k in path.name for k in only.split(",") if k):
+            continue
+        h = attacks.headers(path)
+        with tempfile.TemporaryDirectory() as marker, attacks.Listener() as listener:
+            code, token = attacks.prepare(path, marker, listener.port)
+            res = ev.evaluate((BUNDLED_DIR / h["task"]).read_text(), code)
+            time.sleep(0.5)
+            left = attacks.leftovers(token, marker)
+        ok = attacks.check(h["expect"], res) and not listener.received and not left
+        rows.append(dict(file="attacks/" + path.name, device="cuda", expect=h["expect"], verdict=res.verdict,
+                         hacks=res.hacks, ok=ok, error=(res.error or "")[:160], reached=listener.received,
+                         leftovers=left, confinement=res.details.get("confinement")))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -59,6 +83,7 @@ def main() -> None:
                              hacks=res.hacks, ok=check(h["expect"], res), error=(res.error or "")[:160],
                              share=res.triton_time_share))
             print(json.dumps(rows[-1]), flush=True)
+        rows += run_attacks(ev, args.only)
         for sol in sorted((ROOT / "bench/solutions").glob("level2_*torch_gemm*.py")):
             if args.only and not any(k in sol.name for k in args.only.split(",") if k):
                 continue

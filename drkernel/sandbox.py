@@ -11,7 +11,7 @@ Pieces:
 * ``ForkServer`` -- owns one zygote; ``run("pkg.mod:fn", kwargs, limits)`` returns a
   ``SandboxResult``. The zygote is restarted transparently if it dies.
 * ``SandboxPool`` -- several ForkServers (e.g. one per GPU) with an ordered ``map``.
-* ``device_lock`` -- an ``flock`` so that timing on one GPU can hold it alone.
+* ``DeviceLock`` -- a readers-writer ``flock`` per GPU: shared for GPU work, alone for timing.
 
 Protocol (parent <-> zygote): 8-byte big-endian length + UTF-8 JSON, over the zygote's
 stdin/stdout, which the zygote moves to private descriptors at start so that stray prints
@@ -41,6 +41,7 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -466,17 +467,40 @@ def _classify(status: int, reason: str | None, result_path: str, lim: SandboxLim
     return {**out, "status": "ok", "value": payload["value"]}
 
 
+def _fork_runner(job: dict, workdir: str, pipe_fds: tuple[int, int]) -> tuple[int, socket.socket]:
+    """Fork the job's runner (it gets one end of a socket pair, the judge the other) before the
+    judge's result path exists, so that not even a copy of it is in the runner's memory."""
+    runner_dir = os.path.join(workdir, "runner")
+    os.mkdir(runner_dir, 0o700)
+    mine, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:
+        mine.close()
+        spec = job["runner"]
+        _child_main({**job, "target": spec["target"],
+                     "kwargs": {**spec.get("kwargs", {}), "sock_fd": theirs.fileno(), "job_dir": runner_dir}},
+                    runner_dir, os.path.join(runner_dir, ".unused"), pipe_fds)
+    theirs.close()
+    job["kwargs"] = {**job["kwargs"], "runner_fd": mine.fileno(), "runner_pid": pid, "runner_dir": runner_dir}
+    return pid, mine
+
+
 def _zygote_job(job: dict, pipe_fds: tuple[int, int]) -> dict:
     lim = SandboxLimits(**job["limits"])
     workdir = tempfile.mkdtemp(prefix="drk_job_")
-    result_path = os.path.join(workdir, f".result-{os.urandom(8).hex()}.json")
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     t0 = time.monotonic()
+    sock = None
+    if job.get("runner"):
+        _, sock = _fork_runner(job, workdir, pipe_fds)
+    result_path = os.path.join(workdir, f".result-{os.urandom(8).hex()}.json")
     pid = os.fork()
     if pid == 0:
         _child_main(job, workdir, result_path, pipe_fds)  # never returns
+    if sock is not None:
+        sock.close()
     try:
         _send(pipe_fds[1], {"op": "started", "pid": pid, "workdir": workdir})
         status, reason, peak = _supervise(pid, lim, t0)
@@ -680,14 +704,17 @@ class ForkServer:
     # ---- jobs --------------------------------------------------------------------------
 
     def run(self, target: str, kwargs: dict | None = None, limits: SandboxLimits | dict | None = None,
-            env: dict | None = None, cwd: str | None = None) -> SandboxResult:
+            env: dict | None = None, cwd: str | None = None, runner: dict | None = None) -> SandboxResult:
         """Run ``target`` ("pkg.module:function") as ``function(**kwargs)`` in a fresh child.
-        Never raises for anything the child does; raises only for bad arguments."""
+        With ``runner`` ({"target", "kwargs"}) a second child is forked first and called with
+        ``sock_fd`` and ``job_dir`` (its own directory); the first gets ``runner_fd``, ``runner_pid``
+        and ``runner_dir``. Both belong to the job: limits, the kill at its end.
+        Never raises for anything the children do; raises only for bad arguments."""
         if not isinstance(target, str) or ":" not in target:
             raise ValueError(f"target must be 'package.module:function', got {target!r}")
         lim = _as_limits(limits)
         job = {"op": "run", "target": target, "kwargs": dict(kwargs or {}), "limits": lim.to_dict(),
-               "env": {str(k): str(v) for k, v in (env or {}).items()}, "cwd": cwd}
+               "env": {str(k): str(v) for k, v in (env or {}).items()}, "cwd": cwd, "runner": runner}
         body = json.dumps(job).encode()  # TypeError here: kwargs must be JSON-serialisable
         t0 = time.monotonic()
         with self._lock:
@@ -759,15 +786,15 @@ class SandboxPool:
             self._free.put(server)
 
     def run(self, target: str, kwargs: dict | None = None, limits: SandboxLimits | dict | None = None,
-            env: dict | None = None, cwd: str | None = None) -> SandboxResult:
+            env: dict | None = None, cwd: str | None = None, runner: dict | None = None) -> SandboxResult:
         server = self._free.get()
         try:
-            return server.run(target, kwargs, limits=limits, env=env, cwd=cwd)
+            return server.run(target, kwargs, limits=limits, env=env, cwd=cwd, runner=runner)
         finally:
             self._free.put(server)
 
     def map(self, jobs: list[dict]) -> list[SandboxResult]:
-        """jobs: dicts with ``target`` and optional ``kwargs``, ``limits``, ``env``, ``cwd``."""
+        """jobs: dicts with ``target`` and optional ``kwargs``, ``limits``, ``env``, ``cwd``, ``runner``."""
         jobs = list(jobs)
         if not jobs:
             return []
@@ -791,33 +818,80 @@ class SandboxPool:
                 server.close(wait=False)
 
 
+class DeviceLock:
+    """A readers-writer lock on one GPU across processes (two ``flock`` files).
+
+    Evaluations hold it *shared* for GPU work whose numbers enter no verdict (building models,
+    correctness calls), and *alone* for work whose numbers do (timing, calibration, profiling),
+    so a verdict never depends on what neighbours run. A writer first takes a gate that new
+    readers must pass, so a stream of readers cannot starve it. ``DRKERNEL_LOCK_DIR`` (default
+    /tmp, not TMPDIR, which is private per job) holds the files."""
+
+    def __init__(self, index: int | str, timeout_s: float | None = None):
+        self.path = os.path.join(os.environ.get("DRKERNEL_LOCK_DIR", "/tmp"), f"drkernel-device-{index}.lock")
+        self.timeout_s = timeout_s
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        self._gate = os.open(self.path + ".gate", os.O_RDWR | os.O_CREAT, 0o666)
+        self.mode: str | None = None  # None, "shared" or "alone"
+
+    def _flock(self, fd: int, op: int) -> None:
+        if self.timeout_s is None:
+            fcntl.flock(fd, op)
+            return
+        end = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                fcntl.flock(fd, op | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > end:
+                    raise TimeoutError(f"device lock {self.path} is busy") from None
+                time.sleep(0.01)
+
+    def acquire(self, alone: bool) -> None:
+        self._flock(self._gate, fcntl.LOCK_EX)
+        try:
+            self._flock(self._fd, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(self._gate, fcntl.LOCK_UN)
+        self.mode = "alone" if alone else "shared"
+
+    def release(self) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self.mode = None
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """The GPU to this holder alone for a while; back to the previous mode afterwards."""
+        before = self.mode
+        if before == "alone":
+            yield
+            return
+        if before is not None:
+            self.release()
+        self.acquire(alone=True)
+        try:
+            yield
+        finally:
+            self.release()
+            if before is not None:
+                self.acquire(alone=False)
+
+    def close(self) -> None:
+        for fd in (self._fd, self._gate):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 @contextlib.contextmanager
 def device_lock(index: int | str, timeout_s: float | None = None) -> Iterator[str]:
-    """Hold ``/tmp/drkernel-device-<index>.lock`` exclusively (flock) across processes, so
-    that timing on one GPU is never disturbed by another job. A fixed directory is used
-    (not TMPDIR, which is private per sandbox job); DRKERNEL_LOCK_DIR overrides it.
-    With ``timeout_s`` a TimeoutError is raised if the lock is not free in time."""
-    path = os.path.join(os.environ.get("DRKERNEL_LOCK_DIR", "/tmp"), f"drkernel-device-{index}.lock")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    """Hold GPU ``index`` alone (see `DeviceLock`); TimeoutError past ``timeout_s``."""
+    lock = DeviceLock(index, timeout_s)
     try:
-        if timeout_s is None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        else:
-            end = time.monotonic() + timeout_s
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > end:
-                        raise TimeoutError(f"device lock {path} is busy") from None
-                    time.sleep(0.01)
-        try:
-            yield path
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        with lock.alone():
+            yield lock.path
     finally:
-        os.close(fd)
+        lock.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,191 @@
+"""Confine the runner process on Linux before any candidate code is imported.
+
+Layers, each recorded in a `Confinement` report (the judge copies it to
+`EvalResult.details["confinement"]`):
+
+- `enter_network_namespace()`, first thing in the runner: a new, empty network namespace, so
+  that nothing on this machine's loopback or network can be reached.
+- `restrict(job_dir)`, after CUDA, torch and triton are initialised (Landlock applied before the
+  first CUDA allocation makes `cudaGetDeviceCount` fail with error 304):
+  * no new privileges (`PR_SET_NO_NEW_PRIVS`);
+  * Landlock: every kind of file-system write (write, truncate, create, remove, rename, link)
+    only beneath `job_dir` (plus writing to /dev/null and the GPU's device nodes); TCP bind and
+    connect denied (ABI >= 4); signals and abstract Unix sockets scoped to the runner's own
+    domain (ABI >= 6). A Landlock domain also cannot ptrace processes outside it, so the judge's
+    memory and descriptors (`/proc/<pid>/mem`, `/proc/<pid>/fd/*`) are out of reach;
+  * every capability dropped (effective, permitted, inheritable, bounding set), so even as root
+    the runner cannot ptrace, mount, change namespaces back or override file permissions.
+
+A mechanism the kernel lacks is reported as missing, never faked; `EvalConfig.require_confinement`
+decides whether the evaluation then runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import glob
+import os
+
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # same on x86-64 and arm64
+_CLONE_NEWNET = 0x40000000
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_CAPBSET_DROP = 24
+_RULE_PATH_BENEATH = 1
+
+# Landlock file-system rights (include/uapi/linux/landlock.h)
+_WRITE_FILE, _REMOVE_DIR, _REMOVE_FILE = 1 << 1, 1 << 4, 1 << 5
+_MAKE = sum(1 << b for b in (6, 7, 8, 9, 10, 11, 12))  # char, dir, reg, sock, fifo, block, sym
+_REFER, _TRUNCATE = 1 << 13, 1 << 14
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
+_SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+
+@dataclasses.dataclass
+class Confinement:
+    """What confines this process. `complete` when every layer above is active."""
+    network_namespace: bool = False
+    no_new_privs: bool = False
+    landlock_abi: int = 0
+    fs_writes_confined: bool = False
+    tcp_denied: bool = False
+    signals_scoped: bool = False
+    capabilities_dropped: bool = False
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return (self.network_namespace and self.no_new_privs and self.fs_writes_confined
+                and self.tcp_denied and self.capabilities_dropped)
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "complete": self.complete}
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _errno_text(what: str) -> str:
+    e = ctypes.get_errno()
+    return f"{what}: {os.strerror(e)} (errno {e})"
+
+
+def enter_network_namespace(report: Confinement) -> None:
+    """A new network namespace with only a down loopback: no address anywhere is reachable."""
+    if _libc().unshare(_CLONE_NEWNET) == 0:
+        report.network_namespace = True
+    else:
+        report.errors.append(_errno_text("unshare(CLONE_NEWNET)"))
+
+
+def landlock_abi() -> int:
+    abi = _libc().syscall(_SYS_CREATE_RULESET, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    return max(0, int(abi))
+
+
+def _fs_rights(abi: int) -> int:
+    rights = _WRITE_FILE | _REMOVE_DIR | _REMOVE_FILE | _MAKE
+    if abi >= 2:
+        rights |= _REFER
+    if abi >= 3:
+        rights |= _TRUNCATE
+    return rights
+
+
+def _allow(libc, ruleset: int, path: str, rights: int) -> bool:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        attr = _PathBeneath(rights, fd)
+        return libc.syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(attr), 0) == 0
+    finally:
+        os.close(fd)
+
+
+def _landlock(job_dir: str, report: Confinement) -> None:
+    libc = _libc()
+    abi = report.landlock_abi = landlock_abi()
+    if abi < 1:
+        report.errors.append("Landlock unavailable")
+        return
+    fs = _fs_rights(abi)
+    attr = _RulesetAttr(fs, (_NET_BIND_TCP | _NET_CONNECT_TCP) if abi >= 4 else 0,
+                        (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 else 0)
+    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
+    ruleset = libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), size, 0)
+    if ruleset < 0:
+        report.errors.append(_errno_text("landlock_create_ruleset"))
+        return
+    try:
+        if not _allow(libc, ruleset, job_dir, fs):
+            report.errors.append(_errno_text(f"landlock rule for {job_dir}"))
+            return
+        file_rights = _WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)
+        for dev in ["/dev/null", *glob.glob("/dev/nvidia*")]:
+            _allow(libc, ruleset, dev, file_rights)
+        if libc.syscall(_SYS_RESTRICT_SELF, ruleset, 0) != 0:
+            report.errors.append(_errno_text("landlock_restrict_self"))
+            return
+    finally:
+        os.close(ruleset)
+    report.fs_writes_confined = True
+    report.tcp_denied = abi >= 4
+    report.signals_scoped = abi >= 6
+
+
+def _drop_capabilities(report: Confinement) -> None:
+    libc = _libc()
+    last = 63
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as fh:
+            last = int(fh.read())
+    except (OSError, ValueError):
+        pass
+    for cap in range(last + 1):
+        libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)  # fails harmlessly without CAP_SETPCAP
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3, all zero
+    if libc.capset(ctypes.byref(header), ctypes.byref(data)) != 0:
+        report.errors.append(_errno_text("capset"))
+        return
+    report.capabilities_dropped = True
+
+
+def restrict(job_dir: str, report: Confinement) -> None:
+    """No new privileges, Landlock, no capabilities. Irreversible for this process and its children."""
+    if _libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0:
+        report.no_new_privs = True
+    else:
+        report.errors.append(_errno_text("PR_SET_NO_NEW_PRIVS"))
+    _landlock(os.path.realpath(job_dir), report)
+    _drop_capabilities(report)
+
+
+def point_caches_at(job_dir: str) -> None:
+    """Everything that writes scratch files (Triton's cache, tempfile) goes beneath `job_dir`."""
+    import tempfile
+    for name in ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TMPDIR", "HOME"):
+        path = os.path.join(job_dir, name.lower())
+        os.makedirs(path, exist_ok=True)
+        os.environ[name] = path
+    tempfile.tempdir = os.environ["TMPDIR"]

@@ -1,0 +1,174 @@
+"""What crosses between the judge and the runner: framed JSON messages and one shared arena.
+
+Messages are 8-byte big-endian length + UTF-8 JSON over a socket pair. The judge reads
+whatever the runner sends as untrusted data: `recv` bounds the size and the time, and callers
+validate every field (`number`).
+
+Tensors never travel inside messages. The judge allocates one *arena* (a flat uint8 tensor)
+that holds the input buffers and the output slots of one evaluation, and hands the runner a
+handle to it once: a CUDA IPC handle on the GPU, a memory-mapped file in the runner's directory
+on the CPU. Both sides carve the same typed views out of it from a `Layout`. On the GPU the arena
+is one exclusive cudaMalloc segment (allocated right after `empty_cache`, at least 20 MiB and a
+multiple of 2 MiB, so the caching allocator neither splits it nor places anything else in it):
+an IPC handle exposes its whole segment, and nothing of the judge's own may live there.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import math
+import os
+import pickle
+import select
+import struct
+import time
+from typing import Any
+
+_HEADER = struct.Struct(">Q")
+MAX_MESSAGE = 16 * 2**20  # a runner message is a few KB of numbers and names
+_ALIGN = 512
+_MIN_ARENA = 20 * 2**20  # above the caching allocator's 10 MiB large-buffer threshold
+_ROUND = 2 * 2**20
+
+
+class ChannelClosed(Exception):
+    """The other side closed the socket, sent garbage, or did not answer in time."""
+
+
+def send(fd: int, msg: dict) -> None:
+    body = json.dumps(msg).encode()
+    data = memoryview(_HEADER.pack(len(body)) + body)
+    while data:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _read(fd: int, n: int, deadline: float | None) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise ChannelClosed("no answer in time")
+        chunk = os.read(fd, min(n - got, 1 << 20))
+        if not chunk:
+            raise ChannelClosed("the other side closed the channel")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def recv(fd: int, deadline: float | None = None) -> dict:
+    """One message as a dict; `ChannelClosed` on EOF, timeout, oversize or malformed JSON."""
+    (size,) = _HEADER.unpack(_read(fd, _HEADER.size, deadline))
+    if size > MAX_MESSAGE:
+        raise ChannelClosed(f"message of {size} bytes (limit {MAX_MESSAGE})")
+    try:
+        msg = json.loads(_read(fd, size, deadline))
+    except ValueError as exc:
+        raise ChannelClosed(f"malformed message: {exc}") from None
+    if not isinstance(msg, dict):
+        raise ChannelClosed("malformed message: not an object")
+    return msg
+
+
+def number(msg: dict, key: str, default: float | None = None) -> float | None:
+    """A finite, non-negative float field of an untrusted message, else `default`."""
+    v = msg.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return default
+    v = float(v)
+    return v if math.isfinite(v) and v >= 0 else default
+
+
+# --------------------------------------------------------------------------------------
+# The shared arena
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Slot:
+    """One typed view into the arena."""
+    offset: int
+    dtype: str  # e.g. "torch.float32"
+    shape: list[int]
+    nbytes: int
+
+
+@dataclasses.dataclass
+class Layout:
+    """Where each input tensor and each output tensor lives in the arena.
+
+    `inputs[i]` is a Slot for a tensor input or None for a non-tensor one, whose JSON value is
+    `input_values[i]`; `outputs` are the reference output's tensors in `_tensors` order."""
+    nbytes: int
+    inputs: list[Slot | None]
+    input_values: list[Any]
+    outputs: list[Slot]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Layout":
+        return cls(nbytes=int(d["nbytes"]), input_values=list(d["input_values"]),
+                   inputs=[Slot(**s) if s else None for s in d["inputs"]],
+                   outputs=[Slot(**s) for s in d["outputs"]])
+
+
+def _dtype(name: str):
+    import torch
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"not a dtype: {name}")
+    return dt
+
+
+def plan(inputs: list, outputs: list) -> Layout:
+    """Lay out tensors (inputs may hold non-tensor values) one after another, aligned."""
+    import torch
+    off = 0
+
+    def slot(t) -> Slot:
+        nonlocal off
+        nb = t.numel() * t.element_size()
+        s = Slot(offset=off, dtype=str(t.dtype), shape=list(t.shape), nbytes=nb)
+        off += -(-max(nb, 1) // _ALIGN) * _ALIGN
+        return s
+
+    ins = [slot(t) if isinstance(t, torch.Tensor) else None for t in inputs]
+    values = [None if isinstance(t, torch.Tensor) else t for t in inputs]
+    outs = [slot(t) for t in outputs]
+    return Layout(nbytes=max(off, _ALIGN), inputs=ins, input_values=values, outputs=outs)
+
+
+def view(arena, s: Slot):
+    """The typed tensor of slot `s` inside `arena` (flat uint8)."""
+    return arena[s.offset:s.offset + s.nbytes].view(_dtype(s.dtype)).view(s.shape)
+
+
+def allocate(layout: Layout, device, directory: str):
+    """The judge's arena, and the handle (JSON-safe) that lets the runner map it."""
+    import torch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # no cached block may be split for the arena
+        size = -(-max(layout.nbytes, _MIN_ARENA) // _ROUND) * _ROUND
+        arena = torch.empty(size, dtype=torch.uint8, device=device)
+        from torch.multiprocessing.reductions import reduce_tensor
+        _, args = reduce_tensor(arena)
+        return arena, {"cuda": base64.b64encode(pickle.dumps(args)).decode()}
+    path = os.path.join(directory, "arena.bin")
+    with open(path, "wb") as fh:
+        fh.truncate(layout.nbytes)
+    arena = torch.from_file(path, shared=True, size=layout.nbytes, dtype=torch.uint8)
+    return arena, {"path": path, "nbytes": layout.nbytes}
+
+
+def attach(handle: dict):
+    """The runner's mapping of the judge's arena. (The runner trusts the judge; never the reverse.)"""
+    import torch
+    if "cuda" in handle:
+        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+        return rebuild_cuda_tensor(*pickle.loads(base64.b64decode(handle["cuda"])))
+    return torch.from_file(handle["path"], shared=True, size=int(handle["nbytes"]), dtype=torch.uint8)

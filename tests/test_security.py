@@ -1,0 +1,205 @@
+"""The trust boundary on CPU: attack families against the judge/runner split and the runner's
+confinement (docs/security.md). Each attack fixture (tests/fixtures/attacks) must come back as
+its header expects, leave nothing behind and reach no listener, and the evaluator must keep
+working afterwards."""
+
+import os
+import socket
+import textwrap
+import time
+
+import pytest
+
+from drkernel import confine, judge
+from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, _map_status
+from drkernel.sandbox import SandboxResult
+from tests.fixtures.attacks import harness
+from tests.test_evaluator import LEGIT_RELU, TASKS, cfg, relu_candidate
+
+
+@pytest.fixture(scope="module")
+def evaluator():
+    with Evaluator(cfg(cpu_perf_trials=3)) as ev:
+        yield ev
+
+
+@pytest.mark.parametrize("path", harness.fixtures(), ids=lambda p: p.stem)
+def test_attack_fixture(path, evaluator, tmp_path):
+    h = harness.headers(path)
+    with harness.Listener() as listener:
+        code, token = harness.prepare(path, str(tmp_path), listener.port)
+        r = evaluator.evaluate((TASKS / h["task"]).read_text(), code)
+        time.sleep(0.5)  # a late packet would still arrive
+    assert harness.check(h["expect"], r), (h["expect"], r.verdict, r.hacks, r.candidate_ms, r.error)
+    assert listener.received == [], listener.received
+    assert harness.leftovers(token, str(tmp_path)) == []
+    assert r.details.get("confinement", {}).get("complete") or r.verdict != "correct"
+
+
+def test_evaluator_unharmed_after_the_attacks(evaluator):
+    r = evaluator.evaluate((TASKS / "1_ReLU.py").read_text(), LEGIT_RELU)
+    assert r.verdict == "correct" and not r.hacks, (r.verdict, r.hacks, r.error)
+    assert r.details["confinement"]["complete"], r.details["confinement"]
+
+
+def test_confinement_in_a_child(tmp_path):
+    """The runner's confinement as a process sees it: writes only beneath its directory, no TCP,
+    no capabilities (checked in a forked child so that this process stays free)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    port = listener.getsockname()[1]
+    job, outside = tmp_path / "job", tmp_path / "outside.txt"
+    job.mkdir()
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        os.close(rfd)
+        report = confine.Confinement()
+        confine.enter_network_namespace(report)
+        confine.restrict(str(job), report)
+        results = [report.complete]
+        for path in (job / "inside.txt", outside):
+            try:
+                path.write_text("x")
+                results.append(True)
+            except OSError:
+                results.append(False)
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            results.append(True)
+        except OSError:
+            results.append(False)
+        os.write(wfd, repr(results).encode())
+        os._exit(0)
+    os.close(wfd)
+    got = os.read(rfd, 1000).decode()
+    os.waitpid(pid, 0)
+    listener.close()
+    assert got == "[True, True, False, False]", got
+    assert not outside.exists()
+
+
+def test_require_confinement_refuses_when_incomplete(monkeypatch):
+    j = judge.Judge(cfg={"require_confinement": True}, sock=-1, runner_pid=0, runner_dir="",
+                    reference_path="", candidate_path="")
+    monkeypatch.setattr(judge.ipc, "recv", lambda fd, deadline=None: {"ok": True})
+    monkeypatch.setattr(judge.ipc, "allocate", lambda layout, device, d: (None, {}))
+    monkeypatch.setattr(judge.ipc, "view", lambda arena, s: None)
+    j.layout = judge.ipc.Layout(nbytes=512, inputs=[], input_values=[], outputs=[])
+    j.details["output_structure"] = "T"
+    monkeypatch.setattr(judge.Judge, "ask", lambda self, msg: {
+        "ok": True, "confinement": {"complete": False, "errors": ["Landlock unavailable"]}})
+    with pytest.raises(judge.Stop, match="Landlock unavailable"):
+        judge.attach_runner(j)
+    j.cfg["require_confinement"] = False
+    judge.attach_runner(j)
+    assert j.details["confinement"]["errors"] == ["Landlock unavailable"]
+
+
+# ---- the judge's clock rules, with synthetic numbers ---------------------------------------
+
+def _judge(device: str = "cuda", **cfg_over) -> judge.Judge:
+    import dataclasses
+    import torch
+    j = judge.Judge(cfg={**dataclasses.asdict(EvalConfig()), **cfg_over}, sock=-1, runner_pid=0, runner_dir="",
+                    reference_path="", candidate_path="")
+    j.device = torch.device(device)
+    return j
+
+
+def test_clock_rule_neutralises_a_forged_timer():
+    j = _judge()
+    j.overhead_ms = 0.2
+    honest = judge._accepted_ms(j, [2.0] * 9, [2.21] * 9)
+    assert honest == pytest.approx(2.01) and not j.out["hacks"]
+    j = _judge()
+    j.overhead_ms = 0.2
+    with pytest.raises(judge.Hacked):  # runner claims 0.02 ms, the judge saw 2 ms of work per call
+        judge._accepted_ms(j, [0.02] * 9, [2.21] * 9)
+    assert j.out["hacks"] == ["side_stream"]
+
+
+def test_reference_slowed_rule():
+    j = _judge()
+    j.ref_alone_ms, j.out["ref_ms"] = 2.0, 2.5
+    judge._check_reference_slowed(j)
+    j.out["ref_ms"] = 3.5
+    with pytest.raises(judge.Hacked):
+        judge._check_reference_slowed(j)
+    assert j.out["hacks"] == ["reference_slowed"]
+
+
+def test_roofline_retimes_and_keeps_the_slower_median(monkeypatch):
+    j = _judge()
+    j.io_bytes, j.bandwidth, j.out["ref_ms"], j.perf_n = 4e9, 4e9, 2.0, 100  # roofline 1 ms
+    j.overhead_ms = 0.2
+    monkeypatch.setattr(judge, "_time_candidate", lambda j, seeds, checked, label: ([1.2] * len(seeds),
+                                                                                     [1.4] * len(seeds)))
+    assert judge._roofline(j, 0.5) == pytest.approx(1.2)  # re-timed honestly: above the roofline
+    assert not j.out["hacks"]
+    monkeypatch.setattr(judge, "_time_candidate", lambda j, seeds, checked, label: ([0.3] * len(seeds),
+                                                                                     [0.5] * len(seeds)))
+    with pytest.raises(judge.Hacked):
+        judge._roofline(j, 0.3)
+    assert "implausible_speedup" in j.out["hacks"]
+
+
+# ---- sandbox outcomes that must map to one verdict -----------------------------------------
+
+@pytest.mark.parametrize("status, verdict, words", [
+    ("oom", "crashed", "out of memory"), ("oversized_result", "crashed", "result too large"),
+    ("sandbox_error", "crashed", "sandbox error"), ("timeout", "timeout", "time limit"),
+    ("exit_no_result", "crashed", "without a result")])
+def test_sandbox_status_mapping(status, verdict, words):
+    r = _map_status(SandboxResult(status, error="boom"))
+    assert r.verdict == verdict and words in r.error
+
+
+# ---- speed direction and size, measured on CPU with sleeps ------------------------------------
+
+SLEEPY_TASK = textwrap.dedent('''
+    import time
+    import torch
+    import torch.nn as nn
+
+    class Model(nn.Module):
+        def forward(self, x):
+            time.sleep({ref_s})
+            return torch.relu(x)
+
+    def get_inputs():
+        return [torch.rand(8, 128)]
+
+    def get_init_inputs():
+        return []
+''')
+
+
+@pytest.mark.parametrize("ref_s, cand_s, low, high", [(0.12, 0.0, 4.0, 1e9), (0.0, 0.12, 0.0, 0.25)])
+def test_speedup_direction_and_size(tmp_path, ref_s, cand_s, low, high):
+    task = tmp_path / "sleepy.py"
+    task.write_text(SLEEPY_TASK.format(ref_s=ref_s))
+    cand = relu_candidate(f"time.sleep({cand_s})\nreturn launch(x)", extra="\nimport time\n")
+    r = Evaluator(cfg(cpu_perf_trials=3)).evaluate(str(task), cand)
+    assert r.verdict == "correct", (r.verdict, r.error)
+    assert low <= r.speedup <= high, (r.speedup, r.ref_ms, r.candidate_ms)
+
+
+def test_evaluate_many_really_runs_workers_at_once():
+    """Three candidates that each print their start time and sleep 4 s at import: with three
+    workers the three starts fall within a few seconds of each other (serially they would be
+    at least 4 s apart)."""
+    body = "return launch(x)"
+    extra = "\nimport time\nprint('START', time.time(), flush=True)\ntime.sleep(4)\n"
+    ref = (TASKS / "1_ReLU.py").read_text()
+    with Evaluator(cfg(), workers=3) as ev:
+        results = ev.evaluate_many([(ref, relu_candidate(body, extra=extra + f"# {i}\n")) for i in range(3)])
+    assert all(r.verdict == "correct" for r in results), [(r.verdict, r.error) for r in results]
+    starts = sorted(float(r.stdout.split("START")[1].split()[0]) for r in results)
+    assert starts[-1] - starts[0] < 4.0, starts
+
+
+def test_result_fields_survive_json():
+    r = EvalResult(verdict="correct", speedup=1.5, details={"confinement": {"complete": True}})
+    assert EvalResult.from_dict(r.to_dict()) == r
