@@ -284,12 +284,12 @@ def bench_solutions(kernelbench: str | Path, shrink: bool) -> list[Candidate]:
     return out
 
 
-def _bundled_task(name: str) -> Task:
+def bundled_task(name: str) -> Task:
     return load_task_file(BUNDLED_DIR / name, level=0)
 
 
 def bundled_solutions() -> list[Candidate]:
-    return [Candidate(f"bundled/{p.stem}", "solution", _bundled_task(p.name), p.read_text(), "correct")
+    return [Candidate(f"bundled/{p.stem}", "solution", bundled_task(p.name), p.read_text(), "correct")
             for p in sorted(BUNDLED_SOLUTIONS_DIR.glob("*.py"))]
 
 
@@ -306,7 +306,7 @@ def fixtures() -> list[Candidate]:
         for path in sorted((FIXTURES / sub).glob("*.py")):
             h = _headers(path)
             verdict, *hacks = h["expect"].split()
-            out.append(Candidate(f"{sub}/{path.stem}", "fixture", _bundled_task(h["task"]), path.read_text(),
+            out.append(Candidate(f"{sub}/{path.stem}", "fixture", bundled_task(h["task"]), path.read_text(),
                                  verdict, tuple(hacks), h.get("device", "cpu").startswith("cuda")))
     return out
 

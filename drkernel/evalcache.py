@@ -51,6 +51,9 @@ NON_VERDICT_FIELDS = frozenset({"device", "timeout", "max_output_chars", "cache_
 
 # Verdicts and hack codes that depend on the machine's state rather than on the two programs.
 UNCACHED_VERDICTS = frozenset({"timeout", "crashed"})
+# ... except a crash by a fault signal the candidate's own code raised (the evaluator's error text
+# `killed by SIGSEGV`): no neighbour sends those; SIGKILL (the OOM killer, a limit) is not one.
+_OWN_FAULTS = tuple(f"killed by sig{name}" for name in ("segv", "bus", "ill", "fpe", "abrt"))  # lower case
 TIMING_HACKS = frozenset({"reference_slowed", "implausible_speedup", "side_stream"})
 _INFRA_ERRORS = ("out of memory", "memoryerror", "cuda requested but not available", "cannot read input",
                  "evaluator error", "evaluator failure", "sandbox error")
@@ -149,23 +152,27 @@ def cacheable(result: EvalResult) -> bool:
     """Whether `result` may be stored: only verdicts that follow from the key's inputs alone.
 
     Not cached, because a loaded or failing machine can cause them and a retry may differ:
-    - `timeout` and `crashed` (a slow neighbour, the OOM killer, a signal, a sandbox failure);
+    - `timeout`, and `crashed` (the OOM killer, a limit, a sandbox failure) unless the error
+      says `killed by SIGSEGV` / SIGBUS / SIGILL / SIGFPE / SIGABRT: the candidate's own fault;
     - any verdict whose error mentions memory exhaustion or an evaluator/sandbox failure (an
       out-of-memory error caused by a neighbour is not the candidate's verdict);
     - `hacked` with a clock-judged code (`reference_slowed`, `implausible_speedup`,
       `side_stream`): contention moves the clocks they are judged on;
     - a result without an environment stamp or measured on an unidentified GPU.
-    Cached: `correct`, `incorrect`, `compile_error`, `runtime_error` and the other hack codes;
-    they follow from the two programs, the settings and the seed.
+    Cached: `correct`, `incorrect`, `compile_error`, `runtime_error`, the other hack codes and
+    fault-signal crashes; they follow from the two programs, the settings and the seed (or from
+    the candidate's own undefined behaviour, which a retry does not make its neighbours' fault).
     """
     env = result.details.get("environment")
     if not isinstance(env, dict) or UNKNOWN in env.values():
         return False
-    if result.verdict not in VERDICTS or result.verdict in UNCACHED_VERDICTS:
+    error = (result.error or "").lower()
+    if result.verdict not in VERDICTS:
+        return False
+    if result.verdict in UNCACHED_VERDICTS and not error.startswith(_OWN_FAULTS):
         return False
     if TIMING_HACKS.intersection(result.hacks or ()):
         return False
-    error = (result.error or "").lower()
     return not any(marker in error for marker in _INFRA_ERRORS)
 
 

@@ -104,7 +104,7 @@ def test_torch_fallback_takes_the_reference_forward():
 
 
 def test_corrupt_refuses_a_transformation_that_changes_nothing(monkeypatch):
-    task = bc._bundled_task("1_ReLU.py")
+    task = bc.bundled_task("1_ReLU.py")
     sol = bc.Candidate("x", "solution", task, KERNEL, "correct")
     monkeypatch.setitem(bc.CORRUPTIONS, "syntax_error", (lambda code, ref: code, "compile_error", ()))
     with pytest.raises(AssertionError, match="syntax_error left x unchanged"):

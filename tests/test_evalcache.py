@@ -79,6 +79,11 @@ def test_deterministic_verdicts_are_cached(verdict):
     assert cacheable(result(verdict, error=None if verdict == "correct" else "SyntaxError: bad (line 3)"))
 
 
+@pytest.mark.parametrize("signal", ["SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE", "SIGABRT"])
+def test_crashes_by_the_candidates_own_fault_signal_are_cached(signal):
+    assert cacheable(result("crashed", error=f"killed by {signal}"))
+
+
 def test_hack_verdicts_cached_unless_judged_on_clocks():
     assert cacheable(result("hacked", hacks=["no_triton_kernel"]))
     assert cacheable(result("hacked", hacks=["output_cached", "input_mutated"]))
@@ -89,6 +94,8 @@ def test_hack_verdicts_cached_unless_judged_on_clocks():
 @pytest.mark.parametrize("verdict,error", [
     ("timeout", "evaluation exceeded the time limit"),
     ("crashed", "killed by SIGKILL"),
+    ("crashed", "killed by SIGTERM"),
+    ("crashed", "process exited without a result (os._exit?), exit code 0"),
     ("crashed", "sandbox error: broken pipe"),
     ("crashed", "out of memory (oom)"),
     ("runtime_error", "forward raised in trial 0: OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"),
