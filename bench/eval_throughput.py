@@ -141,7 +141,8 @@ def print_report(passes: list[Pass], diffs: list[Difference], surprises: list[tu
     for p in passes:
         print(f"{p.workers:>8} {p.cache:>6} {p.startup_s:>10.1f} {p.wall_s:>9.2f} {p.per_minute:>9.1f} "
               f"{base.wall_s / max(p.wall_s, 1e-9):>5.1f}x {p.hit_rate:>9.2f}")
-    print(f"\ndifferences from 1 worker ({len(diffs)}):" if diffs else "\nno verdict, hack or speedup differs from 1 worker")
+    print(f"\ndifferences from 1 worker ({len(diffs)}):" if diffs
+          else "\nno verdict, hack or speedup differs from 1 worker")
     for d in diffs:
         value = f"{d.reference:.4g} -> {d.value:.4g}" if d.what == "speedup" else f"{d.reference} -> {d.value}"
         print(f"  {'!!' if d.flagged else '  '} {d.run}: {d.candidate} [{d.kind}] {d.what} {value}")
