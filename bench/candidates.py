@@ -317,23 +317,27 @@ def all_candidates(kernelbench: str | Path = DEFAULT_KERNELBENCH, shrink: bool =
     return solutions + [c for s in solutions for c in corrupt(s)] + fixtures()
 
 
+def _interleave(*queues: list[Candidate]) -> list[Candidate]:
+    """One from each queue in turn, skipping emptied ones, until all are empty."""
+    out: list[Candidate] = []
+    for i in range(max(map(len, queues), default=0)):
+        out.extend(q[i] for q in queues if i < len(q))
+    return out
+
+
 def mixed_set(candidates: Iterable[Candidate], size: int, seed: int = 0, device: str = "cuda") -> list[Candidate]:
-    """All solutions first, then the other kinds in turn (each kind in a seeded order) until
-    `size` candidates (`size <= 0`: all). GPU-only fixtures are left out on a CPU device."""
+    """All solutions first, then corrupted solutions and fixtures in turn (the corruption kinds
+    round robin, each kind and the fixtures in a seeded order) until `size` candidates
+    (`size <= 0`: all). GPU-only fixtures are left out on a CPU device."""
     usable = [c for c in candidates if device.startswith("cuda") or not c.cuda_only]
     by_kind: dict[str, list[Candidate]] = collections.defaultdict(list)
     for c in usable:
         by_kind[c.kind].append(c)
     for kind in KINDS[1:]:
         random.Random(f"{seed}:{kind}").shuffle(by_kind[kind])
-    limit = size if size > 0 else len(usable)
-    picked = by_kind["solution"][:limit]
-    queues = [by_kind[k] for k in KINDS[1:]]
-    while len(picked) < limit and any(queues):
-        for queue in queues:
-            if queue and len(picked) < limit:
-                picked.append(queue.pop(0))
-    return picked
+    corrupted = _interleave(*(by_kind[k] for k in CORRUPTIONS))
+    ordered = by_kind["solution"] + _interleave(corrupted, by_kind["fixture"])
+    return ordered[:size] if size > 0 else ordered
 
 
 def composition(candidates: Iterable[Candidate]) -> dict[str, int]:
