@@ -53,7 +53,7 @@ NON_VERDICT_FIELDS = frozenset({"device", "timeout", "max_output_chars", "cache_
 UNCACHED_VERDICTS = frozenset({"timeout", "crashed"})
 # ... except a crash by a fault signal the candidate's own code raised (the evaluator's error text
 # `killed by SIGSEGV`): no neighbour sends those; SIGKILL (the OOM killer, a limit) is not one.
-_OWN_FAULTS = tuple(f"killed by sig{name}" for name in ("segv", "bus", "ill", "fpe", "abrt"))  # lower case
+_OWN_FAULTS = tuple(f"killed by sig{name}" for name in ("segv", "bus", "ill", "fpe", "abrt"))  # vs lower-cased errors
 TIMING_HACKS = frozenset({"reference_slowed", "implausible_speedup", "side_stream"})
 _INFRA_ERRORS = ("out of memory", "memoryerror", "cuda requested but not available", "cannot read input",
                  "evaluator error", "evaluator failure", "sandbox error")
@@ -166,9 +166,9 @@ def cacheable(result: EvalResult) -> bool:
     env = result.details.get("environment")
     if not isinstance(env, dict) or UNKNOWN in env.values():
         return False
-    error = (result.error or "").lower()
     if result.verdict not in VERDICTS:
         return False
+    error = (result.error or "").lower()
     if result.verdict in UNCACHED_VERDICTS and not error.startswith(_OWN_FAULTS):
         return False
     if TIMING_HACKS.intersection(result.hacks or ()):
