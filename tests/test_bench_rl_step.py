@@ -1,5 +1,6 @@
-"""bench/rl_step.py: the Qwen2.5 tokenizer built from the BPE ranks file, and a tiny end-to-end run
-through the real trainer on KernelBench level 1 without the `datasets` package (as on the GPU box)."""
+"""bench/rl_step.py: the Qwen2.5 tokenizer built from the BPE ranks file, a tiny end-to-end run
+through the real trainer on KernelBench level 1 without the `datasets` package (as on the GPU box),
+and the replay policy (candidates of bench/candidates.py instead of the model's text)."""
 
 import importlib.util
 import json
@@ -64,4 +65,67 @@ def test_tiny_rl_step_without_datasets(tmp_path, monkeypatch, fresh_accelerate_s
     # every sample is forwarded although every advantage is 0
     assert step["update_samples"] == 4 and step["update_tokens"] > 4 * 100
     assert step["generate_s"] > 0 and step["update_s"] > 0
+    assert sum(step["phases_s"].values()) == pytest.approx(step["step_s"], rel=1e-6)
+
+
+# ---- the replay policy ------------------------------------------------------------------------
+
+def _replay_candidates():
+    from bench.candidates import bundled_solutions, corrupt, fixtures
+
+    sols = bundled_solutions()
+    return sols + [c for s in sols for c in corrupt(s)] + [c for c in fixtures() if not c.cuda_only]
+
+
+def test_replay_generator_answers_each_prompt_with_a_candidate_of_its_task(tiny_tokenizer):
+    from drkernel.generation import GenerationConfig
+    from drkernel.prompts import extract_code, first_turn_messages, render_prompt
+
+    cands = _replay_candidates()
+    calls = []
+    gen = rl_step.ReplayGenerator(cands, lambda *a: calls.append(a))
+    tasks = {t.name: t for t in gen.tasks}
+    order = [tasks["4_Softmax.py"], tasks["1_ReLU.py"], tasks["4_Softmax.py"], tasks["8_LayerNorm.py"]]
+    prompts = [tiny_tokenizer(render_prompt(first_turn_messages(t), tiny_tokenizer),
+                              add_special_tokens=False)["input_ids"] for t in order]
+    outs = gen(None, tiny_tokenizer, prompts, GenerationConfig(seed=7))
+    assert len(calls) == 1  # the real generator still ran (its time is the generate phase)
+    by_code = {extract_code(rl_step.response_text(c.code)): c for c in cands}
+    for task, out in zip(order, outs):
+        assert isinstance(out, rl_step.GenOutput) and out.finished
+        assert out.response_ids[-1] == tiny_tokenizer.eos_token_id
+        assert len(out.logprobs) == len(out.response_ids)
+        code = extract_code(tiny_tokenizer.decode(out.response_ids, skip_special_tokens=True))
+        assert by_code[code].task.key == task.key  # a candidate written for this prompt's task
+    again = gen(None, tiny_tokenizer, prompts, GenerationConfig(seed=7))
+    assert [o.response_ids for o in again] == [o.response_ids for o in outs]  # seeded
+    other = gen(None, tiny_tokenizer, prompts, GenerationConfig(seed=8))
+    assert [o.response_ids for o in other] != [o.response_ids for o in outs]
+    rows = [{"code": extract_code(tiny_tokenizer.decode(o.response_ids, skip_special_tokens=True))} for o in outs]
+    assert sum(rl_step.replayed_kinds(rows + [{"code": None}], cands).values()) == 5
+    assert rl_step.replayed_kinds([{"code": None}], cands) == {"not a candidate": 1}
+    with pytest.raises(LookupError):
+        gen.task_of("a prompt about something else")
+
+
+@needs_vocab
+@pytest.mark.skipif(not KERNELBENCH.is_dir(), reason="needs ../shared/kernelbench")
+def test_tiny_replay_step_evaluates_real_candidates(tmp_path, monkeypatch, fresh_accelerate_state):
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    out = tmp_path / "rl_step.json"
+    assert rl_step.main(["--device", "cpu", "--tiny", "--layers", "1", "--tasks", str(KERNELBENCH), "--shrink",
+                         "--policy", "replay", "--num-tasks", "1", "--num-generations", "2", "--num-turns", "1",
+                         "--max-new-tokens", "3", "--steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["config"]["policy"] == "replay" and result["config"]["mismatch_correction"] is False
+    from bench.kernelbench_eval import solution_files
+
+    problems = {s.key for s in solution_files()}  # + the 8 bundled tasks
+    assert result["config"]["replay_tasks"] == len(problems) + 8
+    (step,) = result["steps"]
+    # both responses are candidates, judged by the trainer's own evaluator
+    assert step["n_evaluated"] == 2 and step["evaluate_s"] > 0
+    assert sum(step["replayed"].values()) == 2 and "not a candidate" not in step["replayed"]
+    assert sum(step["verdicts"].values()) == 2 and "turn1:format_error" not in step["verdicts"]
+    assert step["truncated"] == 0 and step["update_samples"] == 2
     assert sum(step["phases_s"].values()) == pytest.approx(step["step_s"], rel=1e-6)

@@ -1,0 +1,239 @@
+"""Evaluation throughput (issue 15): a mixed candidate set through `Evaluator.evaluate_many` for
+each worker count, every difference from 1 worker, then the same set again through the cache.
+
+The set (`bench/candidates.py`): our solutions, their corrupted variants and the hack, legit and
+fault fixtures, `--size` of them. Each worker count gets a fresh Evaluator and a fresh, empty
+cache directory (so every pass pays for every evaluation, whatever the cache's default); the
+1-worker pass is the reference. Then a warm pass with the fastest worker count reads the cache
+the 1-worker pass filled: its speed-up factor and hit rate. Candidates per minute count
+`evaluate_many` alone; starting the workers is reported apart (`startup_s`).
+
+Printed: candidates per minute per worker count; every verdict or hack code that differs from
+1 worker, every speedup more than 3 % off (`!!` beyond 10 %); candidates whose verdict is not
+the one expected. JSON with every result: `--json` (default `$OUT/eval_throughput.json`).
+
+The cache: once `EvalConfig` has a `cache_dir` field the evaluator caches itself and each pass
+sets it; until then this bench wraps `evaluate_many` in `drkernel.evalcache.evaluate_cached`.
+
+    python bench/eval_throughput.py --kernelbench .bench_data/kernelbench --workers 1,2,4,6    # GPU
+    python bench/eval_throughput.py --device cpu --shrink --workers 1,2 --size 40 \\
+        --trials 2 --cpu-perf-trials 1 --warmup 1                                           # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.candidates import Candidate, all_candidates, bundled_task, composition, mixed_set  # noqa: E402
+from bench.evaluator import reference_as_candidate  # noqa: E402
+from drkernel.evalcache import EvalCache, evaluate_cached, fingerprint  # noqa: E402
+from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device  # noqa: E402
+
+SPEEDUP_TOLERANCE = 0.03  # a speedup further than this from 1 worker's is listed
+SPEEDUP_FLAG = 0.10  # and flagged beyond this
+
+
+@dataclasses.dataclass
+class Pass:
+    workers: int
+    cache: str  # "cold": an empty cache directory; "warm": the one the 1-worker pass filled
+    startup_s: float
+    wall_s: float
+    results: list[EvalResult]
+
+    @property
+    def per_minute(self) -> float:
+        return 60.0 * len(self.results) / max(self.wall_s, 1e-9)
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(bool(r.details.get("cached")) for r in self.results) / max(1, len(self.results))
+
+    @property
+    def label(self) -> str:
+        return f"{self.workers} worker{'s' if self.workers > 1 else ''}" + (", cached" if self.cache == "warm" else "")
+
+
+@dataclasses.dataclass
+class Difference:
+    candidate: str
+    kind: str  # the candidate's kind: mask corruptions read and write out of bounds (undefined)
+    run: str  # the pass that differs from 1 worker, e.g. "4 workers"
+    what: str  # verdict | hacks | speedup
+    reference: object  # the 1-worker value
+    value: object
+    flagged: bool = False  # a speedup more than SPEEDUP_FLAG off
+
+
+# ----------------------------------------------------------------------------- running
+
+def warm_up(ev: Evaluator, workers: int) -> None:
+    """One quick job per worker, so that starting the workers (importing torch and triton) is
+    not counted as evaluation: the bundled ReLU reference as a torch-only candidate, stopped as
+    `no_triton_kernel` in its first trial. The copies differ (a comment), so that no dedupe
+    folds them into one job."""
+    task = bundled_task("1_ReLU.py")
+    ev.evaluate_many([(task.code, reference_as_candidate(task.code) + f"# warm-up {i}\n") for i in range(workers)])
+
+
+def evaluate_pass(cfg: EvalConfig, workers: int, pairs: list[tuple[str, str]], cache_dir: Path, label: str) -> Pass:
+    """One Evaluator with `workers` workers over `pairs`, through the cache in `cache_dir`."""
+    integrated = hasattr(cfg, "cache_dir")  # the evaluator caches itself
+    if integrated:
+        cfg = dataclasses.replace(cfg, cache_dir=str(cache_dir))
+    t0 = time.perf_counter()
+    with Evaluator(cfg, workers=workers) as ev:
+        warm_up(ev, workers)
+        startup = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if integrated:
+            results = ev.evaluate_many(pairs)
+        else:
+            results = evaluate_cached(pairs, cfg, ev.evaluate_many, EvalCache(cache_dir), ev.reward_config)
+        wall = time.perf_counter() - t0
+    return Pass(workers, label, startup, wall, results)
+
+
+def compare(reference: Pass, other: Pass, candidates: list[Candidate]) -> list[Difference]:
+    """Every verdict, hack code set or speedup (beyond SPEEDUP_TOLERANCE) that differs."""
+    out = []
+    for c, a, b in zip(candidates, reference.results, other.results):
+        if a.verdict != b.verdict:
+            out.append(Difference(c.name, c.kind, other.label, "verdict", a.verdict, b.verdict))
+        if sorted(a.hacks) != sorted(b.hacks):
+            out.append(Difference(c.name, c.kind, other.label, "hacks", sorted(a.hacks), sorted(b.hacks)))
+        if a.speedup and b.speedup:
+            off = abs(b.speedup - a.speedup) / a.speedup
+            if off > SPEEDUP_TOLERANCE:
+                out.append(Difference(c.name, c.kind, other.label, "speedup", a.speedup, b.speedup,
+                                      off > SPEEDUP_FLAG))
+    return out
+
+
+def unexpected(candidates: list[Candidate], results: list[EvalResult]) -> list[tuple[str, str, str]]:
+    """(name, expected, got) where a known expectation was not met."""
+    out = []
+    for c, r in zip(candidates, results):
+        if c.expected_verdict is None:
+            continue
+        if r.verdict != c.expected_verdict or not set(c.expected_hacks) <= set(r.hacks):
+            expected = " ".join([c.expected_verdict, *c.expected_hacks])
+            out.append((c.name, expected, " ".join([r.verdict, *r.hacks])))
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+def print_report(passes: list[Pass], diffs: list[Difference], surprises: list[tuple[str, str, str]]) -> None:
+    base = passes[0]
+    print(f"\n{'workers':>8} {'cache':>6} {'startup s':>10} {'wall s':>9} {'cand/min':>9} {'vs 1':>6} {'hit rate':>9}")
+    for p in passes:
+        print(f"{p.workers:>8} {p.cache:>6} {p.startup_s:>10.1f} {p.wall_s:>9.2f} {p.per_minute:>9.1f} "
+              f"{base.wall_s / max(p.wall_s, 1e-9):>5.1f}x {p.hit_rate:>9.2f}")
+    print(f"\ndifferences from 1 worker ({len(diffs)}):" if diffs
+          else "\nno verdict, hack or speedup differs from 1 worker")
+    for d in diffs:
+        value = f"{d.reference:.4g} -> {d.value:.4g}" if d.what == "speedup" else f"{d.reference} -> {d.value}"
+        print(f"  {'!!' if d.flagged else '  '} {d.run}: {d.candidate} [{d.kind}] {d.what} {value}")
+    print(f"\nnot as expected with 1 worker ({len(surprises)}):" if surprises else "\nevery known expectation met")
+    for name, expected, got in surprises:
+        print(f"  {name}: expected {expected}, got {got}")
+
+
+def summary(args, candidates: list[Candidate], passes: list[Pass], diffs: list[Difference],
+            surprises: list[tuple[str, str, str]]) -> dict:
+    cold = [p for p in passes if p.cache == "cold"]
+    warm = next(p for p in passes if p.cache == "warm")
+    best = max(cold, key=lambda p: p.per_minute)
+    return {
+        "config": vars(args), "environment": fingerprint(args.device), "composition": composition(candidates),
+        "candidates": [{"name": c.name, "kind": c.kind, "task": c.task.key, "expected_verdict": c.expected_verdict,
+                        "expected_hacks": list(c.expected_hacks)} for c in candidates],
+        "passes": [{"workers": p.workers, "cache": p.cache, "startup_s": p.startup_s, "wall_s": p.wall_s,
+                    "per_minute": p.per_minute, "hit_rate": p.hit_rate,
+                    "results": [{k: getattr(r, k) for k in ("verdict", "hacks", "speedup", "wall_s")}
+                                | {"error": (r.error or "")[:300]} for r in p.results]} for p in passes],
+        "best_workers": best.workers,
+        "cache": {"workers": warm.workers, "hit_rate": warm.hit_rate, "speedup_vs_best": best.wall_s / warm.wall_s,
+                  "speedup_vs_1_worker": cold[0].wall_s / warm.wall_s},
+        "differences": [dataclasses.asdict(d) for d in diffs],
+        "unexpected": [{"name": n, "expected": e, "got": g} for n, e, g in surprises],
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+def default_kernelbench() -> str:
+    local = ROOT / ".bench_data" / "kernelbench"
+    return str(local if local.is_dir() else ROOT.parent / "shared" / "kernelbench")
+
+
+def parse_args(argv: list[str] | None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernelbench", default=default_kernelbench(), help="local KernelBench copy (hub layout)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shrink", action="store_true", help="tiny KernelBench sizes (CPU smoke runs)")
+    ap.add_argument("--workers", default="1,2,4", help="comma list; 1 is always run first (the reference)")
+    ap.add_argument("--size", type=int, default=48, help="candidates in the mixed set (0: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    for name, kind in (("trials", int), ("perf-trials", int), ("cpu-perf-trials", int), ("warmup", int),
+                       ("timeout", float)):
+        ap.add_argument(f"--{name}", type=kind, help="EvalConfig field (its default when left out)")
+    ap.add_argument("--cache-dir", default="", help="where the cache directories go (default: a temporary one)")
+    default_json = Path(os.environ["OUT"]) / "eval_throughput.json" if os.environ.get("OUT") else \
+        ROOT / "runs" / "bench" / "eval_throughput.json"
+    ap.add_argument("--json", default=str(default_json))
+    return ap.parse_args(argv)
+
+
+def eval_config(args) -> EvalConfig:
+    fields = {k: getattr(args, k) for k in ("trials", "perf_trials", "cpu_perf_trials", "warmup", "timeout")
+              if getattr(args, k) is not None}
+    return EvalConfig(device=args.device, **fields)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    args.device = resolve_device(args.device)  # before anything applies @triton.jit
+    workers = [1] + [w for w in dict.fromkeys(int(x) for x in args.workers.split(",") if x) if w != 1]
+    candidates = mixed_set(all_candidates(args.kernelbench, args.shrink), args.size, args.seed, args.device)
+    pairs = [(c.task.code, c.code) for c in candidates]
+    print(f"{len(candidates)} candidates {composition(candidates)}; workers {workers}", flush=True)
+    cfg = eval_config(args)
+    root = Path(args.cache_dir or tempfile.mkdtemp(prefix="eval_throughput_"))
+    root.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=root))
+    try:
+        passes = []
+        for w in workers:
+            passes.append(evaluate_pass(cfg, w, pairs, run_dir / f"workers{w}", "cold"))
+            print(f"  {w} worker(s): {passes[-1].wall_s:.1f} s", flush=True)
+        best = max(passes, key=lambda p: p.per_minute)
+        passes.append(evaluate_pass(cfg, best.workers, pairs, run_dir / "workers1", "warm"))
+        diffs = [d for p in passes[1:] for d in compare(passes[0], p, candidates)]
+        surprises = unexpected(candidates, passes[0].results)
+        print_report(passes, diffs, surprises)
+        result = summary(args, candidates, passes, diffs, surprises)
+    finally:
+        shutil.rmtree(run_dir if args.cache_dir else root, ignore_errors=True)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=repr))
+    print(f"cache pass ({result['cache']['workers']} workers): {result['cache']['speedup_vs_best']:.1f}x the best "
+          f"uncached pass, hit rate {result['cache']['hit_rate']:.2f}\nwrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

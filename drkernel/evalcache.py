@@ -1,0 +1,307 @@
+"""Evaluation cache: a verdict measured once is reused wherever the same question is asked again.
+
+A result is keyed by a sha256 of the reference code, the candidate code, the evaluation settings
+that can change a verdict, `CACHE_VERSION` and an environment fingerprint (GPU name, driver, CUDA,
+torch and triton versions; on CPU the CPU model instead of GPU and driver). The store is a
+directory of JSON files, one per key in 256 shard folders, written atomically (temporary file +
+`os.replace`), so several processes and ranks may share one directory; an unreadable,
+half-written or foreign entry is a miss, never an error.
+
+Every result that leaves `evaluate_cached`, fresh or cached, carries its fingerprint in
+`details["environment"]`: every reward says where it was measured.
+
+The evaluator's side (the parent) never initialises CUDA: the fingerprint comes from
+`nvidia-smi` (asked once per process), `torch.version.cuda` and package metadata.
+
+    env = fingerprint(cfg.device)
+    results = evaluate_cached(pairs, cfg, evaluate_uncached, EvalCache(dir), reward_config)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import glob
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable, Hashable, Mapping, Sequence, TypeVar
+
+from drkernel.evaluator import VERDICTS, EvalConfig, EvalResult
+
+# Bump when the key's recipe or the meaning of a stored result changes: old entries then miss.
+CACHE_VERSION = 1
+
+# EvalConfig fields left out of the key because they cannot change a verdict:
+# - device: `auto` and `cuda` (or `cuda:0` and `cuda:1` of one GPU model) resolve to the same
+#   hardware; which hardware ran the evaluation is the fingerprint's part of the key;
+# - timeout: an evaluation that finished did not reach its limit, and timeouts are never cached;
+# - max_output_chars: bounds the captured stdout/stderr; a result too large is `crashed` (never
+#   cached);
+# - cache_dir: where results are stored (a planned EvalConfig field) never changes them.
+# Every other field, including any added later, is part of the key: a new setting is assumed to
+# matter until someone argues here that it does not.
+NON_VERDICT_FIELDS = frozenset({"device", "timeout", "max_output_chars", "cache_dir"})
+
+# Verdicts and hack codes that depend on the machine's state rather than on the two programs.
+UNCACHED_VERDICTS = frozenset({"timeout", "crashed"})
+# ... except a crash by a fault signal the candidate's own code raised (the evaluator's error text
+# `killed by SIGSEGV`): no neighbour sends those; SIGKILL (the OOM killer, a limit) is not one.
+_OWN_FAULTS = tuple(f"killed by sig{name}" for name in ("segv", "bus", "ill", "fpe", "abrt"))  # vs lower-cased errors
+TIMING_HACKS = frozenset({"reference_slowed", "implausible_speedup", "side_stream"})
+_INFRA_ERRORS = ("out of memory", "memoryerror", "cuda requested but not available", "cannot read input",
+                 "evaluator error", "evaluator failure", "sandbox error")
+UNKNOWN = "unknown"
+
+Pair = TypeVar("Pair", bound=Hashable)
+
+
+# ======================================================================================
+# Environment fingerprint
+# ======================================================================================
+
+@functools.cache
+def _nvidia_smi() -> tuple[tuple[str, str], ...] | None:
+    """(GPU name, driver version) per GPU on this host; None when nvidia-smi is absent or fails.
+    Asked once per process: one call costs ~50 ms and the answer does not change while we run."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [tuple(part.strip() for part in line.split(",", 1)) for line in out.splitlines() if "," in line]
+    return tuple((name, driver) for name, driver in rows)
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or UNKNOWN
+
+
+def _uses_gpu(device: str) -> bool:
+    """`auto` as the evaluator's child resolves it, decided without touching CUDA: a GPU when
+    nvidia-smi lists one, or when NVIDIA device files exist without nvidia-smi (then the GPU
+    stays `unknown` and nothing is cached)."""
+    if device != "auto":
+        return device.startswith("cuda")
+    rows = _nvidia_smi()
+    return bool(rows) if rows is not None else bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def fingerprint(device: str) -> dict[str, str]:
+    """Where an evaluation on `device` (cpu | cuda | cuda:N | auto) runs, as a flat str dict.
+
+    GPU: names of the host's GPUs (one name when all are the same model: the evaluator spreads
+    jobs over all visible GPUs), driver, CUDA, torch, triton. CPU: the CPU model instead of GPU
+    and driver. Never initialises CUDA (importing torch does not)."""
+    import torch
+
+    env = {"torch": torch.__version__, "triton": _package_version("triton")}
+    if not _uses_gpu(device):
+        return {"device": "cpu", "cpu": _cpu_model(), **env}
+    rows = _nvidia_smi() or ()
+    names = sorted({name for name, _ in rows})
+    drivers = sorted({driver for _, driver in rows})
+    return {"device": "cuda", "gpu": " + ".join(names) or UNKNOWN, "driver": " + ".join(drivers) or UNKNOWN,
+            "cuda": torch.version.cuda or UNKNOWN, **env}
+
+
+def with_environment(result: EvalResult, env: Mapping[str, str]) -> EvalResult:
+    """`result` with `details["environment"] = env` (in place; returned for chaining)."""
+    result.details["environment"] = dict(env)
+    return result
+
+
+# ======================================================================================
+# Keys and the caching rule
+# ======================================================================================
+
+def verdict_settings(cfg: EvalConfig) -> dict:
+    """The EvalConfig fields that enter the key (all but NON_VERDICT_FIELDS)."""
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NON_VERDICT_FIELDS}
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def cache_key(reference_code: str, candidate_code: str, cfg: EvalConfig, env: Mapping[str, str]) -> str:
+    """sha256 (hex) of the version, both programs' exact text, the verdict settings and `env`."""
+    recipe = {"version": CACHE_VERSION, "reference": _sha256(reference_code), "candidate": _sha256(candidate_code),
+              "settings": verdict_settings(cfg), "environment": dict(env)}
+    return _sha256(json.dumps(recipe, sort_keys=True, separators=(",", ":"), default=repr))
+
+
+def cacheable(result: EvalResult) -> bool:
+    """Whether `result` may be stored: only verdicts that follow from the key's inputs alone.
+
+    Not cached, because a loaded or failing machine can cause them and a retry may differ:
+    - `timeout`, and `crashed` (the OOM killer, a limit, a sandbox failure) unless the error
+      says `killed by SIGSEGV` / SIGBUS / SIGILL / SIGFPE / SIGABRT: the candidate's own fault;
+    - any verdict whose error mentions memory exhaustion or an evaluator/sandbox failure (an
+      out-of-memory error caused by a neighbour is not the candidate's verdict);
+    - `hacked` with a clock-judged code (`reference_slowed`, `implausible_speedup`,
+      `side_stream`): contention moves the clocks they are judged on;
+    - a result without an environment stamp or measured on an unidentified GPU.
+    Cached: `correct`, `incorrect`, `compile_error`, `runtime_error`, the other hack codes and
+    fault-signal crashes; they follow from the two programs, the settings and the seed (or from
+    the candidate's own undefined behaviour, which a retry does not make its neighbours' fault).
+    """
+    env = result.details.get("environment")
+    if not isinstance(env, dict) or UNKNOWN in env.values():
+        return False
+    if result.verdict not in VERDICTS:
+        return False
+    error = (result.error or "").lower()
+    if result.verdict in UNCACHED_VERDICTS and not error.startswith(_OWN_FAULTS):
+        return False
+    if TIMING_HACKS.intersection(result.hacks or ()):
+        return False
+    return not any(marker in error for marker in _INFRA_ERRORS)
+
+
+# ======================================================================================
+# The on-disk store
+# ======================================================================================
+
+@dataclasses.dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / lookups (0.0 before the first lookup)."""
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
+
+
+class EvalCache:
+    """One JSON file per key under `path/<key[:2]>/<key>.json`; safe to share between processes."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.stats = CacheStats()
+
+    def _file(self, key: str) -> Path:
+        return self.path / key[:2] / f"{key}.json"
+
+    def _load(self, key: str) -> dict | None:
+        """The entry stored under `key`, or None when absent, unreadable or not ours."""
+        try:
+            entry = json.loads(self._file(key).read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # missing, half-written by a dead process, not UTF-8/JSON
+            return None
+        if not (isinstance(entry, dict) and entry.get("version") == CACHE_VERSION and entry.get("key") == key
+                and isinstance(entry.get("environment"), dict) and isinstance(entry.get("result"), dict)):
+            return None
+        result = entry["result"]
+        if result.get("verdict") not in VERDICTS or not isinstance(result.get("details", {}), dict):
+            return None
+        return entry
+
+    def get(self, key: str) -> EvalResult | None:
+        """The stored result, marked `details["cached"] = True`, or None (a miss).
+
+        Its `reward` and `reward_terms` are cleared: the reward weights are not part of the key,
+        so the caller scores the result with its own RewardConfig."""
+        entry = self._load(key)
+        if entry is None:
+            self.stats.misses += 1
+            return None
+        self.stats.hits += 1
+        result = EvalResult.from_dict(entry["result"])
+        result.reward = result.reward_terms = None
+        result.details["cached"] = True
+        return with_environment(result, entry["environment"])
+
+    def put(self, key: str, result: EvalResult) -> bool:
+        """Store `result` (stamped by `with_environment`) under `key` if `cacheable(result)`.
+        Returns whether it was stored; a write error (full disk, read-only directory) returns
+        False: the cache saves time and must never fail an evaluation."""
+        if not cacheable(result):
+            return False
+        entry = {"version": CACHE_VERSION, "key": key, "environment": result.details["environment"],
+                 "result": result.to_dict()}
+        text = json.dumps(entry, default=repr)
+        target = self._file(key)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{key[:16]}.", suffix=".tmp")
+        except OSError:
+            return False
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            # atomic on POSIX: a concurrent reader sees the old file or the new one, never a mix
+            os.replace(tmp, target)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return False
+        return True
+
+
+# ======================================================================================
+# Use inside an evaluate_many
+# ======================================================================================
+
+def dedupe(pairs: Sequence[Pair]) -> tuple[list[Pair], list[int]]:
+    """(unique pairs in first-seen order, index_map) with `pairs[i] == unique[index_map[i]]`."""
+    unique: list[Pair] = []
+    position: dict[Pair, int] = {}
+    index_map = []
+    for pair in pairs:
+        if pair not in position:
+            position[pair] = len(unique)
+            unique.append(pair)
+        index_map.append(position[pair])
+    return unique, index_map
+
+
+def _rescore(result: EvalResult, reward_config) -> EvalResult:
+    """Fill `reward` / `reward_terms` as the evaluator does for a fresh result."""
+    from drkernel import rewards
+
+    terms = rewards.compute_reward(result, reward_config or rewards.RewardConfig())
+    result.reward, result.reward_terms = float(terms.reward), terms.to_dict()
+    return result
+
+
+def evaluate_cached(pairs: Sequence[tuple[str, str]], cfg: EvalConfig,
+                    evaluate_uncached: Callable[[list[tuple[str, str]]], list[EvalResult]],
+                    cache: EvalCache | None = None, reward_config=None) -> list[EvalResult]:
+    """Results for (reference code, candidate code) `pairs`, in order: identical pairs are
+    evaluated once, cached results are reused (and re-scored with `reward_config`, a
+    `rewards.RewardConfig`), the rest go to `evaluate_uncached` in one call and are stored.
+    With `cache=None` this only dedupes and stamps. Duplicates get independent copies."""
+    env = fingerprint(cfg.device)
+    unique, index_map = dedupe(list(pairs))
+    keys = [cache_key(ref, cand, cfg, env) for ref, cand in unique]
+    found = [cache.get(k) if cache is not None else None for k in keys]
+    results = [_rescore(r, reward_config) if r is not None else None for r in found]
+    todo = [i for i, r in enumerate(results) if r is None]
+    fresh = evaluate_uncached([unique[i] for i in todo]) if todo else []
+    if len(fresh) != len(todo):
+        raise RuntimeError(f"evaluate_uncached returned {len(fresh)} results for {len(todo)} pairs")
+    for i, result in zip(todo, fresh):
+        results[i] = with_environment(result, env)
+        if cache is not None:
+            cache.put(keys[i], result)
+    return [EvalResult.from_dict(results[j].to_dict()) for j in index_map]  # type: ignore[union-attr]
