@@ -56,7 +56,7 @@ UNCACHED_VERDICTS = frozenset({"timeout", "crashed"})
 _OWN_FAULTS = tuple(f"killed by sig{name}" for name in ("segv", "bus", "ill", "fpe", "abrt"))  # vs lower-cased errors
 TIMING_HACKS = frozenset({"reference_slowed", "implausible_speedup", "side_stream"})
 _INFRA_ERRORS = ("out of memory", "memoryerror", "cuda requested but not available", "cannot read input",
-                 "evaluator error", "evaluator failure", "sandbox error")
+                 "evaluator error", "evaluator failure", "sandbox error", "judge error")
 UNKNOWN = "unknown"
 
 Pair = TypeVar("Pair", bound=Hashable)
@@ -169,7 +169,7 @@ def cacheable(result: EvalResult) -> bool:
     if result.verdict not in VERDICTS:
         return False
     error = (result.error or "").lower()
-    if result.verdict in UNCACHED_VERDICTS and not error.startswith(_OWN_FAULTS):
+    if result.verdict in UNCACHED_VERDICTS and not any(fault in error for fault in _OWN_FAULTS):
         return False
     if TIMING_HACKS.intersection(result.hacks or ()):
         return False

@@ -85,6 +85,9 @@ class EvalConfig:
     # Refuse to evaluate (runtime_error) when the kernel cannot confine the runner completely
     # (Landlock, network namespace, no capabilities); otherwise run and record what was active.
     require_confinement: bool = False
+    # On-disk results keyed by both codes, these settings and the environment (drkernel.evalcache);
+    # empty: no cache.
+    cache_dir: str = ""
     ref_isolated_trials: int = 10  # reference alone before the candidate exists (reference_slowed guard)
     timing_block_calls: int = 10  # reference and candidate timings alternate in blocks of this many calls
     min_perf_trials: int = 20  # timing stops early once this many calls give a precise enough speedup
@@ -294,106 +297,112 @@ def _finish(r: EvalResult, cfg: EvalConfig, wall: float, reward_config=None) -> 
     return r
 
 
-def evaluate(reference, candidate, cfg: EvalConfig | None = None, sandbox=None,
-             reward_config=None) -> EvalResult:
-    """Evaluate one candidate (file path or source) against one reference (file path or source).
-    `reward_config` (a `rewards.RewardConfig`, default weights when None) fills `reward`."""
-    cfg = cfg or EvalConfig()
-    t0 = _perf()
-    prep = _Prepared(reference, candidate, cfg)
-    try:
-        if prep.early is not None:
-            return _finish(prep.early, cfg, _perf() - t0, reward_config)
-        env = _sandbox_env(cfg.device)
-        if sandbox is None:
-            from drkernel.sandbox import ForkServer
-            with _owned_server(ForkServer, env) as server:
-                res = server.run(target=_JUDGE, kwargs=prep.kwargs(), runner=_RUNNER,
-                                 limits=_limits(cfg), env=env)
-        else:
-            res = sandbox.run(target=_JUDGE, kwargs=prep.kwargs(), runner=_RUNNER,
-                              limits=_limits(cfg), env=env)
-        return _finish(_map_status(res), cfg, _perf() - t0, reward_config)
-    finally:
-        prep.close()
+def evaluate(reference, candidate, cfg: EvalConfig | None = None, reward_config=None) -> EvalResult:
+    """Evaluate one candidate (file path or source) against one reference (file path or source)
+    with a sandbox of its own. `reward_config` (a `rewards.RewardConfig`, default weights when
+    None) fills `reward`. For many evaluations keep one `Evaluator`."""
+    with Evaluator(cfg, workers=1, reward_config=reward_config) as ev:
+        return ev.evaluate(reference, candidate)
 
 
-@contextlib.contextmanager
-def _owned_server(cls, env):
-    server = cls(env=env, preload=_PRELOAD)
+def _text(src) -> str:
+    return _read(src)[0]
+
+
+def _visible_gpus() -> list[str]:
+    """Physical ids of the GPUs this process may use, asked without initialising CUDA here."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return [v.strip() for v in vis.split(",") if v.strip()]
     try:
-        yield server
-    finally:
-        close = getattr(server, "close", None)
-        if close:
-            with contextlib.suppress(Exception):
-                close()
+        q = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+        return [str(i) for i, line in enumerate(q.stdout.splitlines()) if line.startswith("GPU")]
+    except (OSError, subprocess.SubprocessError):
+        return ["0"]
+
+
+def _gpu_memory_gib() -> float:
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=20)
+        return min(float(v) for v in q.stdout.split()) / 1024
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return 0.0
+
+
+def default_workers_per_gpu(cpus: int, gpus: int, gpu_memory_gib: float) -> int:
+    """Runners per GPU: one per 4 CPU cores of its share (compiles and input generation run on
+    the host) and per 32 GiB of GPU memory (KernelBench inputs reach several GB), at most 4."""
+    return max(1, min(4, cpus // (4 * max(1, gpus)), int(gpu_memory_gib // 32)))
+
+
+def _gpu_oom(r: EvalResult) -> bool:
+    err = (r.error or "").lower()
+    return r.verdict in ("runtime_error", "crashed") and ("cuda out of memory" in err or "outofmemoryerror" in err)
 
 
 class Evaluator:
-    """Holds sandbox workers for many evaluations; one worker per GPU when several are visible."""
+    """Sandbox workers for many evaluations: on a GPU machine `workers` per visible GPU (default
+    from CPU cores and GPU memory); each job shares its GPU for correctness and holds it alone
+    for every measurement (`sandbox.DeviceLock`), so verdicts do not depend on neighbours. A job
+    that ran out of GPU memory next to others is run again holding the GPU alone. With
+    `cfg.cache_dir`, results are cached on disk (`drkernel.evalcache`) and every result carries
+    the environment it was measured in (`details.environment`)."""
 
     def __init__(self, cfg: EvalConfig | None = None, workers: int | None = None, reward_config=None):
+        from drkernel.sandbox import SandboxPool
         self.cfg = cfg or EvalConfig()
         self.reward_config = reward_config
-        self.pool = None
-        self.server = None
         env = _sandbox_env(self.cfg.device)
-        import drkernel.sandbox as sb
-        n_gpu = 0
-        if self.cfg.device in ("auto", "cuda") and _cuda_available_parent():
-            vis = os.environ.get("CUDA_VISIBLE_DEVICES")
-            if vis is not None:
-                n_gpu = len([v for v in vis.split(",") if v.strip()])
-            else:
-                try:
-                    q = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-                    n_gpu = len([l for l in q.stdout.splitlines() if l.startswith("GPU")])
-                except Exception:
-                    n_gpu = 1
-        workers = workers or max(1, n_gpu or 1)
-        if workers > 1 or n_gpu > 1:
-            per = None
-            if n_gpu > 1:
-                ids = (os.environ.get("CUDA_VISIBLE_DEVICES") or ",".join(map(str, range(n_gpu)))).split(",")
-                per = [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)].strip()} for i in range(workers)]
-            self.pool = sb.SandboxPool(workers, env, per, preload=_PRELOAD)
-        else:
-            self.server = sb.ForkServer(env=env, preload=_PRELOAD)
+        gpus = _visible_gpus() if "TRITON_INTERPRET" not in env and _cuda_available_parent() else []
+        per_gpu = workers or (default_workers_per_gpu(os.cpu_count() or 1, len(gpus), _gpu_memory_gib())
+                              if gpus else 1)
+        self.shared_gpu = bool(gpus) and per_gpu > 1
+        n = per_gpu * max(1, len(gpus)) if workers is None else workers
+        per_env = [{"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} for i in range(n)] if len(gpus) > 1 else None
+        self.pool = SandboxPool(n, env, per_env, preload=_PRELOAD)
+        self.cache = None
+        if self.cfg.cache_dir:
+            from drkernel.evalcache import EvalCache
+            self.cache = EvalCache(self.cfg.cache_dir)
+
+    @property
+    def workers(self) -> int:
+        return self.pool.workers
 
     def evaluate(self, reference, candidate) -> EvalResult:
-        return evaluate(reference, candidate, self.cfg, sandbox=self.server, reward_config=self.reward_config)
+        return self.evaluate_many([(reference, candidate)])[0]
 
     def evaluate_many(self, pairs) -> list[EvalResult]:
-        pairs = list(pairs)
-        if self.pool is None:
-            return [self.evaluate(r, c) for r, c in pairs]
+        """Results in the order of `pairs` ((reference, candidate): paths or source)."""
+        from drkernel import evalcache
+        texts = [(_text(r), _text(c)) for r, c in pairs]
+        return evalcache.evaluate_cached(texts, self.cfg, self._run, self.cache, self.reward_config)
+
+    def _run(self, pairs: list[tuple[str, str]]) -> list[EvalResult]:
         t0 = _perf()
         preps = [_Prepared(r, c, self.cfg) for r, c in pairs]
         try:
-            idx = [i for i, p in enumerate(preps) if p.early is None]
-            jobs = [dict(target=_JUDGE, kwargs=preps[i].kwargs(), runner=_RUNNER,
-                         limits=_limits(self.cfg)) for i in idx]
-            results = list(self.pool.map(jobs)) if jobs else []
-            out: list[EvalResult | None] = [None] * len(preps)
-            for i, res in zip(idx, results):
-                out[i] = _finish(_map_status(res), self.cfg, _perf() - t0, self.reward_config)
-            for i, p in enumerate(preps):
-                if out[i] is None:
-                    out[i] = _finish(p.early or EvalResult(error="not run"), self.cfg, _perf() - t0,
-                                     self.reward_config)
-            return out  # type: ignore[return-value]
+            todo = [i for i, p in enumerate(preps) if p.early is None]
+            out = [p.early or EvalResult() for p in preps]
+            for i, res in zip(todo, self.pool.map([self._job(preps[i]) for i in todo])):
+                out[i] = _map_status(res)
+            retry = [i for i in todo if self.shared_gpu and _gpu_oom(out[i])]
+            for i, res in zip(retry, self.pool.map([self._job(preps[i], exclusive=True) for i in retry])):
+                out[i] = _map_status(res)
+                out[i].details["retried_alone"] = True
+            return [_finish(r, self.cfg, _perf() - t0, self.reward_config) for r in out]
         finally:
             for p in preps:
                 p.close()
 
+    def _job(self, prep: "_Prepared", exclusive: bool = False) -> dict:
+        return dict(target=_JUDGE, kwargs={**prep.kwargs(), "exclusive": exclusive}, runner=_RUNNER,
+                    limits=_limits(self.cfg))
+
     def close(self):
-        for obj in (self.pool, self.server):
-            close = getattr(obj, "close", None)
-            if close:
-                with contextlib.suppress(Exception):
-                    close()
-        self.pool = self.server = None
+        with contextlib.suppress(Exception):
+            self.pool.close()
 
     def __enter__(self):
         return self
