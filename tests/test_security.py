@@ -111,12 +111,12 @@ def _judge(device: str = "cuda", **cfg_over) -> judge.Judge:
 def test_clock_rule_neutralises_a_forged_timer():
     j = _judge()
     j.overhead_ms = 0.2
-    honest = judge._accepted_ms(j, [2.0] * 9, [2.21] * 9)
-    assert honest == pytest.approx(2.01) and not j.out["hacks"]
+    honest = judge._accepted_ms(j, [2.0] * 9, [2.35] * 9)  # 0.15 ms over: within the slack
+    assert honest == pytest.approx(2.0) and not j.out["hacks"]
     j = _judge()
     j.overhead_ms = 0.2
-    with pytest.raises(judge.Hacked):  # runner claims 0.02 ms, the judge saw 2 ms of work per call
-        judge._accepted_ms(j, [0.02] * 9, [2.21] * 9)
+    forged = judge._accepted_ms(j, [0.02] * 9, [2.21] * 9)  # claims 0.02 ms, the judge saw 2 ms of work
+    assert forged == pytest.approx(2.01)
     assert j.out["hacks"] == ["side_stream"]
 
 
@@ -135,7 +135,7 @@ def test_roofline_retimes_and_keeps_the_slower_median(monkeypatch):
     j.io_bytes, j.bandwidth, j.out["ref_ms"], j.perf_n = 4e9, 4e9, 2.0, 100  # roofline 1 ms
     j.overhead_ms = 0.2
     monkeypatch.setattr(judge, "_time_candidate", lambda j, seeds, checked, label: ([1.2] * len(seeds),
-                                                                                     [1.4] * len(seeds)))
+                                                                                     [1.5] * len(seeds)))
     assert judge._roofline(j, 0.5) == pytest.approx(1.2)  # re-timed honestly: above the roofline
     assert not j.out["hacks"]
     monkeypatch.setattr(judge, "_time_candidate", lambda j, seeds, checked, label: ([0.3] * len(seeds),
