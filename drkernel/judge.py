@@ -351,9 +351,10 @@ def setup(j: Judge) -> None:
     try:
         from drkernel.runner import _import
         j.ref_mod = _import(j.reference_path, "_drk_judge_reference")
-        j.template = _build(j, j.ref_mod.Model)
-        warm = gen_inputs(j, j.seed)
-        ref_out = run_reference(j, warm)
+        with _shared(j):
+            j.template = _build(j, j.ref_mod.Model)
+            warm = gen_inputs(j, j.seed)
+            ref_out = run_reference(j, warm)
     except Exception as exc:
         raise Stop("runtime_error", _exc_error("the reference failed", exc)) from None
     j.io_bytes = compare.nbytes(compare.tensors(warm)) + compare.nbytes(compare.tensors(ref_out))
@@ -533,21 +534,27 @@ def check_correctness(j: Judge) -> None:
     n_signed = (2 if n >= 4 else 1) if j.cfg["second_distribution"] else 0
     plan = [(j.seed + 1 + i, False) for i in range(n)] + [(j.seed + 5000 + i, True) for i in range(n_signed)]
     for ti, (seed, signed) in enumerate(plan):
-        call = call_candidate(j, seed, "check", signed)
-        pristine = call.inputs
-        _trial_hacks(j, ti, call)
-        ref = run_reference(j, _clone(pristine))
-        if signed and not all(bool(t.isfinite().all()) for t in compare.tensors(ref) if t.is_floating_point()):
-            j.details.setdefault("trials", []).append({"trial": ti, "signed": True, "skipped": "reference not finite"})
-            continue
-        _mutations(j, ti, call, pristine)
-        if "mismatch" in call.reply:
-            if j.out["hacks"]:
-                raise Hacked(j.out["hacks"][-1], j.details["hack_details"][-1])
-            raise Stop("incorrect", f"trial {ti}: {str(call.reply['mismatch'])[:400]}")
-        _judge_values(j, ti, signed, committed(j, call), ref, pristine)
+        with _shared(j):
+            _trial(j, ti, seed, signed)
     j.details["launched_kernels"] = sorted(j.kernels)
     j.mark("correctness")
+
+
+def _trial(j: Judge, ti: int, seed: int, signed: bool) -> None:
+    """One correctness trial: the candidate on fresh inputs, then the reference on a copy."""
+    call = call_candidate(j, seed, "check", signed)
+    pristine = call.inputs
+    _trial_hacks(j, ti, call)
+    ref = run_reference(j, _clone(pristine))
+    if signed and not all(bool(t.isfinite().all()) for t in compare.tensors(ref) if t.is_floating_point()):
+        j.details.setdefault("trials", []).append({"trial": ti, "signed": True, "skipped": "reference not finite"})
+        return
+    _mutations(j, ti, call, pristine)
+    if "mismatch" in call.reply:
+        if j.out["hacks"]:
+            raise Hacked(j.out["hacks"][-1], j.details["hack_details"][-1])
+        raise Stop("incorrect", f"trial {ti}: {str(call.reply['mismatch'])[:400]}")
+    _judge_values(j, ti, signed, committed(j, call), ref, pristine)
 
 
 def _alone(j: Judge):
@@ -557,14 +564,32 @@ def _alone(j: Judge):
 
 
 def _lock_gpu(j: Judge, alone: bool) -> None:
-    """Share the physical GPU with other evaluations (or hold it alone for the whole job)."""
+    """This job's lock on its physical GPU (held alone for the whole job on a retry)."""
     from drkernel.sandbox import DeviceLock
     idx = j.device.index or 0
     vis = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if idx < len(vis) and vis[idx].isdigit():
         idx = int(vis[idx])  # the physical GPU, not the per-worker index
     j.gpu = DeviceLock(idx)
-    j.gpu.acquire(alone=alone)
+    if alone:
+        j.gpu.acquire(alone=True)
+
+
+def _shared(j: Judge):
+    """The GPU shared with other evaluations' unmeasured work, for one short burst (a trial), so
+    that a neighbour waiting to measure gets in between."""
+    import contextlib
+    if j.gpu is None or j.gpu.mode is not None:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def burst():
+        j.gpu.acquire(alone=False)
+        try:
+            yield
+        finally:
+            j.gpu.release()
+    return burst()
 
 
 def _time_candidate(j: Judge, seeds: list[int], checked: set[int], label: str) -> tuple[list[float], list[float]]:
@@ -710,12 +735,14 @@ def check_decoy(j: Judge) -> None:
     means the kernels were not needed for the output."""
     if not j.cfg["require_triton"]:
         return
-    try:
-        call = call_candidate(j, j.seed + 600000, "noop", signed=True)
-    except Stop:
-        return  # it failed without its kernels: they were needed
-    out = committed(j, call)
-    if out is not None and compare.compare(out, run_reference(j, _clone(call.inputs)), j.cfg)["ok"]:
+    with _shared(j):
+        try:
+            call = call_candidate(j, j.seed + 600000, "noop", signed=True)
+        except Stop:
+            return  # it failed without its kernels: they were needed
+        out = committed(j, call)
+        ok = out is not None and compare.compare(out, run_reference(j, _clone(call.inputs)), j.cfg)["ok"]
+    if ok:
         j.hack("decoy_kernel", "the output is still correct with every candidate Triton launch skipped")
     j.mark("decoy_check")
 
@@ -780,8 +807,8 @@ def evaluate(reference_path: str, candidate_path: str, config: dict, runner_fd: 
     except Stop as s:
         j.out["verdict"], j.out["error"] = s.verdict, s.error
     except Exception as exc:  # the judge's own failure: never a pass
-        j.out["verdict"], j.out["error"] = "crashed", "judge error: " + _short(
-            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), 1500)
+        j.out["verdict"], j.out["error"] = "crashed", f"judge error: {type(exc).__name__}: {str(exc)[:300]}\n" + _short(
+            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), 1200)
     finally:
         _stop_runner(j)
         if j.gpu is not None:
