@@ -64,6 +64,12 @@ def test_overrides_reach_the_composed_configs(tmp_path):
     assert compose(gen, EvalConfig, device="cpu").trials == 1 and compose(gen, RolloutConfig).max_prompt_tokens == 4096
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = parse_config(TrainConfig, ["--config", str(path)])
+    assert set(yaml.safe_load(path.read_text())) <= {f.name for f in dataclasses.fields(cfg)}
+
+
 # ---------------------------------------------------------------------------- the released recipe
 
 def recipe_table() -> dict[str, str]:
