@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from drkernel.config import parse_config
-from drkernel.evaluator import resolve_device
+from drkernel.config import TaskSelection, compose, parse_config
+from drkernel.evaluator import EvalConfig, resolve_device
 from drkernel.jsonl import JsonlWriter, read_jsonl
 
 RESULTS_FILE = "results.jsonl"
@@ -38,18 +38,17 @@ DROP_FIELDS = ("stdout", "stderr")  # kept short by the evaluator, but noise in 
 
 
 @dataclasses.dataclass
-class EvaluateConfig:
-    tasks: str = dataclasses.field(default="bundled", metadata={
-        "help": "bundled | a KernelBench path or hub id (e.g. ../shared/kernelbench) | a .py or dir of .py"})
-    levels: str = dataclasses.field(default="1", metadata={"help": "comma list of KernelBench levels"})
-    problem_ids: str = dataclasses.field(default="", metadata={"help": "comma list; empty = all"})
+class EvaluateConfig(TaskSelection):
+    SHARED = ((EvalConfig, {"device": "device", "trials": "trials", "perf_trials": "perf_trials",
+                            "timeout": "timeout", "require_triton": "require_triton"}),)
+
     candidates: str = dataclasses.field(default="", metadata={
         "help": "directory (see drkernel/layouts.py) or .jsonl of generations; empty = bundled solutions"})
     output_dir: str = "outputs/eval"
-    device: str = dataclasses.field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
-    trials: int = dataclasses.field(default=5, metadata={"help": "correctness trials (random inputs)"})
-    perf_trials: int = dataclasses.field(default=100, metadata={"help": "timing repetitions"})
-    timeout: float = dataclasses.field(default=180.0, metadata={"help": "seconds per evaluation"})
+    device: str = dataclasses.field(default=EvalConfig.device, metadata={"help": "auto | cpu | cuda | cuda:N"})
+    trials: int = dataclasses.field(default=EvalConfig.trials, metadata={"help": "correctness trials (random inputs)"})
+    perf_trials: int = dataclasses.field(default=EvalConfig.perf_trials, metadata={"help": "timing repetitions"})
+    timeout: float = dataclasses.field(default=EvalConfig.timeout, metadata={"help": "seconds per evaluation"})
     workers: int = dataclasses.field(default=0, metadata={"help": "sandbox workers; 0 = auto"})
     baseline: str = dataclasses.field(default="eager", metadata={
         "help": "eager | compile (reference under torch.compile; needs a GPU/working inductor)"})
@@ -58,22 +57,16 @@ class EvaluateConfig:
         "help": "samples expected per problem (missing ones count as failures); more are used if present"})
     chunk_size: int = dataclasses.field(default=0, metadata={
         "help": "evaluations per evaluate_many call (results are saved per chunk); 0 = 2 x workers, at least 4"})
-    require_triton: bool = dataclasses.field(default=True, metadata={
+    require_triton: bool = dataclasses.field(default=EvalConfig.require_triton, metadata={
         "help": "false only to time torch-only candidates (e.g. the reference against itself): no Triton "
                 "launch required, decoy checks off; never for rewards"})
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(x) for x in str(text).replace(" ", "").split(",") if x]
-
-
 def make_evaluator(cfg: EvaluateConfig, device: str):
     """The real evaluator (tests replace this factory with a fake)."""
-    from drkernel.evaluator import EvalConfig, Evaluator
+    from drkernel.evaluator import Evaluator
 
-    ecfg = EvalConfig(device=device, trials=cfg.trials, perf_trials=cfg.perf_trials, timeout=cfg.timeout,
-                      require_triton=cfg.require_triton)
-    return Evaluator(ecfg, workers=cfg.workers or None)
+    return Evaluator(compose(cfg, EvalConfig, device=device), workers=cfg.workers or None)
 
 
 # --------------------------------------------------------------------------------------
@@ -221,15 +214,13 @@ def main(argv=None) -> dict:
     from tqdm import tqdm
 
     from drkernel import layouts, metrics, report
-    from drkernel.tasks import load_tasks
 
     if cfg.baseline not in ("eager", "compile"):
         raise SystemExit(f"evaluate.py: --baseline must be eager or compile, not {cfg.baseline!r}")
-    levels = _int_list(cfg.levels) or [1]
-    problem_ids = _int_list(cfg.problem_ids) or None
-    tasks = load_tasks(cfg.tasks, levels=levels, problem_ids=problem_ids)
+    tasks = cfg.load_tasks()
     if not tasks:
-        raise SystemExit(f"evaluate.py: no tasks for tasks={cfg.tasks!r} levels={levels} problem_ids={problem_ids}")
+        raise SystemExit(f"evaluate.py: no tasks for tasks={cfg.tasks!r} levels={cfg.level_list()} "
+                         f"problem_ids={cfg.problem_id_list() or None}")
 
     if cfg.candidates:
         cands = layouts.discover_candidates(cfg.candidates)

@@ -14,7 +14,8 @@ evaluator calls and feedback messages as training; the evaluator is the sandboxe
 Output: one JSONL row per (task, sample, turn) with the evaluator's verdict and the reward
 (columns in `make_row`). `level, problem_id, sample, turn, code` are what `evaluate.py
 --candidates out.jsonl` reads, so generations can be re-evaluated elsewhere (e.g. timed
-on a GPU); turns are 0-based and, with STTS, global (`iteration * num_turns + iter_turn`).
+on a GPU); turns are 0-based and, with STTS, global (the round's offset + `iter_turn`; a later
+round adds `num_turns - stts_window` turns by default, see `drkernel.stts.round_turns`).
 A summary (`drkernel.metrics`, best-of-turns Fast@p; per STTS round with `drkernel.stts`)
 goes to `<output stem>.summary.json` and is printed.
 
@@ -36,40 +37,43 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from drkernel.config import parse_config
-from drkernel.evaluator import resolve_device
+from drkernel import stts
+from drkernel.config import ConfigError, ModelSelection, TaskSelection, compose, parse_config
+from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
+from drkernel.generation import GenerationConfig
 from drkernel.jsonl import JsonlWriter, json_safe, read_jsonl, write_json
+from drkernel.rollout import RolloutConfig
 
 ROW_RESULT_FIELDS = ("verdict", "compiled", "correct", "speedup", "triton_time_share", "hacks", "error",
                      "ref_ms", "candidate_ms", "max_abs_err", "max_rel_err", "kernels", "timing")
+_E, _G, _Ro = EvalConfig, GenerationConfig, RolloutConfig  # defaults come from these (drkernel.config: SHARED)
 
 
 @dataclasses.dataclass
-class GenerateConfig:
-    model: str = dataclasses.field(default="smollm2", metadata={
-        "help": "HF path or hub id, .gguf file, adapter dir, or smollm2 (offline default)"})
-    tokenizer: str | None = dataclasses.field(default=None, metadata={"help": "defaults to model"})
-    dtype: str = dataclasses.field(default="auto", metadata={"help": "auto | bf16 | fp16 | fp32"})
-    tasks: str = dataclasses.field(default="bundled", metadata={
-        "help": "bundled | a KernelBench path or hub id (e.g. ../shared/kernelbench) | a .py or dir of .py"})
-    levels: str = dataclasses.field(default="1", metadata={"help": "comma list of KernelBench levels"})
-    problem_ids: str = dataclasses.field(default="", metadata={"help": "comma list; empty = all"})
+class GenerateConfig(ModelSelection, TaskSelection):
+    SHARED = (
+        (EvalConfig, {"device": "device", "trials": "trials", "perf_trials": "perf_trials", "timeout": "timeout"}),
+        (GenerationConfig, {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
+                            "top_k": "top_k", "backend": "backend", "batch_size": "batch_size"}),
+        (RolloutConfig, {"num_turns": "num_turns", "max_prompt_tokens": "max_prompt_tokens"}),
+    )
+
     samples_per_task: int = dataclasses.field(default=1, metadata={"help": "trajectories per task (num_generations)"})
-    num_turns: int = dataclasses.field(default=3, metadata={"help": "turns per trajectory (per STTS round)"})
-    temperature: float = dataclasses.field(default=1.0, metadata={"help": "0 = greedy"})
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 1024
-    max_prompt_tokens: int = dataclasses.field(default=4096, metadata={
+    num_turns: int = dataclasses.field(default=_Ro.num_turns, metadata={"help": "turns per trajectory (STTS: see --stts_window_counts)"})
+    temperature: float = dataclasses.field(default=_G.temperature, metadata={"help": "0 = greedy"})
+    top_p: float = _G.top_p
+    top_k: int = _G.top_k
+    max_new_tokens: int = _G.max_new_tokens
+    max_prompt_tokens: int = dataclasses.field(default=_Ro.max_prompt_tokens, metadata={
         "help": "older turns are dropped to fit (API policy: estimated from characters)"})
-    backend: str = dataclasses.field(default="hf", metadata={"help": "hf | static (drkernel.generation)"})
-    batch_size: int = dataclasses.field(default=64, metadata={"help": "prompts per generate call"})
+    backend: str = dataclasses.field(default=_G.backend, metadata={"help": "hf | static (drkernel.generation)"})
+    batch_size: int = dataclasses.field(default=_G.batch_size, metadata={"help": "prompts per generate call"})
     tasks_per_batch: int = dataclasses.field(default=8, metadata={
         "help": "tasks per rollout call; rows are saved after each call"})
-    device: str = dataclasses.field(default="auto", metadata={"help": "auto | cpu | cuda (policy and evaluator)"})
-    trials: int = dataclasses.field(default=5, metadata={"help": "evaluator correctness trials"})
-    perf_trials: int = dataclasses.field(default=100, metadata={"help": "evaluator timing repetitions"})
-    timeout: float = dataclasses.field(default=180.0, metadata={"help": "seconds per evaluation"})
+    device: str = dataclasses.field(default=_E.device, metadata={"help": "auto | cpu | cuda (policy and evaluator)"})
+    trials: int = dataclasses.field(default=_E.trials, metadata={"help": "evaluator correctness trials"})
+    perf_trials: int = dataclasses.field(default=_E.perf_trials, metadata={"help": "evaluator timing repetitions"})
+    timeout: float = dataclasses.field(default=_E.timeout, metadata={"help": "seconds per evaluation"})
     workers: int = dataclasses.field(default=0, metadata={"help": "evaluator sandbox workers; 0 = auto"})
     output: str = "outputs/generations.jsonl"
     resume: bool = dataclasses.field(default=True, metadata={
@@ -79,6 +83,11 @@ class GenerateConfig:
         "help": "sequential test-time scaling rounds (1 = plain multi-turn)"})
     stts_window: int = dataclasses.field(default=4, metadata={
         "help": "consecutive earlier turns (best summed reward) that start each later round"})
+    stts_window_counts: bool = dataclasses.field(default=True, metadata={
+        "help": "the kept window counts toward --num_turns, so a later round adds num_turns - window turns "
+                "(KernelGYM: 10 rounds of 5 with a window of 4 = 14 turns); false: every round adds num_turns"})
+    stts_ties: str = dataclasses.field(default="earliest", metadata={
+        "help": "which of equally good windows starts the next round: earliest (KernelGYM) | latest"})
     api_base_url: str = dataclasses.field(default="", metadata={
         "help": "OpenAI-compatible endpoint as the policy, e.g. http://localhost:8000/v1 (replaces --model)"})
     api_model: str = dataclasses.field(default="", metadata={"help": "model name served by the endpoint"})
@@ -87,12 +96,9 @@ class GenerateConfig:
     api_concurrency: int = dataclasses.field(default=8, metadata={"help": "API requests in flight"})
     api_timeout: float = dataclasses.field(default=600.0, metadata={"help": "seconds per API request"})
 
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in str(text).replace(" ", "").split(",") if x]
-    except ValueError:
-        raise SystemExit(f"generate.py: expected a comma list of integers, not {text!r}") from None
+    def round_turns(self) -> list[int]:
+        """New turns per STTS round (`drkernel.stts.round_turns`)."""
+        return stts.round_turns(self.num_turns, self.stts_window, self.stts_iterations, self.stts_window_counts)
 
 
 def check_config(cfg: GenerateConfig) -> None:
@@ -104,6 +110,8 @@ def check_config(cfg: GenerateConfig) -> None:
             problems.append(f"--{name} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.stts_window < 0:
         problems.append(f"--stts_window must be >= 0 (got {cfg.stts_window})")
+    if cfg.stts_ties not in stts.TIES:
+        problems.append(f"--stts_ties must be one of {', '.join(stts.TIES)}, not {cfg.stts_ties!r}")
     if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
         problems.append("--temperature must be >= 0 and --top_p in (0, 1]")
     if cfg.backend not in ("hf", "static"):
@@ -149,28 +157,19 @@ def load_policy(cfg: GenerateConfig, device: str) -> Policy:
 
 def make_evaluator(cfg: GenerateConfig, device: str):
     """The real sandboxed evaluator (tests replace this factory with a fake)."""
-    from drkernel.evaluator import EvalConfig, Evaluator
+    from drkernel.evaluator import Evaluator
 
-    ecfg = EvalConfig(device=device, trials=cfg.trials, perf_trials=cfg.perf_trials, timeout=cfg.timeout)
-    return Evaluator(ecfg, workers=cfg.workers or None)
+    return Evaluator(compose(cfg, EvalConfig, device=device), workers=cfg.workers or None)
 
 
-def make_evaluate_fn(evaluator, reference_dir: str | os.PathLike) -> Callable[[list], list[dict]]:
-    """`rollout()`'s evaluate_fn: (task, code) pairs -> result dicts, one `evaluate_many` call.
+def make_evaluate_fn(evaluator, reference_dir: str | os.PathLike) -> Callable[[list], list[EvalResult]]:
+    """`rollout()`'s evaluate_fn: (task, code) pairs -> EvalResults, one `evaluate_many` call.
 
     References are written once per task under `reference_dir` (the evaluator imports
     files); candidates are passed as source text."""
 
-    def evaluate_fn(pairs: list) -> list[dict]:
-        batch = [(str(task.write(reference_dir)), code) for task, code in pairs]
-        results = evaluator.evaluate_many(batch)
-        out = []
-        for res in results:
-            d = dict(res) if isinstance(res, dict) else res.to_dict()
-            for k in ("stdout", "stderr"):
-                d.pop(k, None)
-            out.append(d)
-        return out
+    def evaluate_fn(pairs: list) -> list[EvalResult]:
+        return list(evaluator.evaluate_many([(str(task.write(reference_dir)), code) for task, code in pairs]))
 
     return evaluate_fn
 
@@ -179,21 +178,24 @@ def make_evaluate_fn(evaluator, reference_dir: str | os.PathLike) -> Callable[[l
 # rows and the resumable file
 # --------------------------------------------------------------------------------------
 
-def make_row(task, sample: int, iteration: int, num_turns: int, turn_sample, policy: Policy) -> dict:
-    """One JSONL row: identity (evaluate.py's `level, problem_id, sample, turn, code`),
-    the response, the evaluator's result and the reward."""
+def make_row(task, sample: int, iteration: int, plan: Sequence[int], num_turns: int, turn_sample,
+             policy: Policy) -> dict:
+    """One JSONL row: identity (evaluate.py's `level, problem_id, sample, turn, code`; `turn` is
+    global: the round's offset in `plan` (turns per round) + the turn within it), the response,
+    the evaluator's result and the reward."""
     result = turn_sample.result
     iter_turn = int(turn_sample.turn) - 1  # rollout counts turns from 1
     row = {"level": task.level, "problem_id": task.problem_id, "task": task.name, "task_key": task.key,
-           "sample": int(sample), "turn": iteration * num_turns + iter_turn, "iteration": int(iteration),
-           "iter_turn": iter_turn, "num_turns": int(num_turns), "model": policy.name,
+           "sample": int(sample), "turn": stts.round_offsets(plan)[iteration] + iter_turn,
+           "iteration": int(iteration), "iter_turn": iter_turn, "num_turns": int(num_turns),
+           "round_turns": int(plan[iteration]), "model": policy.name,
            "response": turn_sample.response_text,
            "code": turn_sample.code, "finished": bool(turn_sample.finished),
            "response_tokens": len(turn_sample.response_ids) if policy.counts_tokens else None,
            "reward": float(turn_sample.reward)}
-    row.update({k: result.get(k) for k in ROW_RESULT_FIELDS})
-    row["correct"] = bool(result.get("correct")) and result.get("verdict") == "correct"
-    row["hacks"] = list(result.get("hacks") or [])
+    row.update({k: getattr(result, k) for k in ROW_RESULT_FIELDS})
+    row["correct"] = bool(result.correct) and result.verdict == "correct"
+    row["hacks"] = list(result.hacks or [])
     return json_safe(row)
 
 
@@ -201,27 +203,38 @@ def _unit(row: dict) -> tuple[str, int]:
     return str(row["task_key"]), int(row["sample"])
 
 
-def resume_rows(path: Path, num_turns: int, policy_name: str) -> tuple[list[dict], int]:
-    """The rows to keep from a previous run, and how many lines were dropped.
-
-    A (task, sample) keeps its rounds 0..k-1 where each has all `num_turns` turns; later
-    rounds, partial rounds and unreadable lines are dropped, and the file is rewritten
-    (atomically) when anything was dropped. Rows from another model or another
-    `num_turns` stop the run: mixing them would corrupt the metrics."""
-    rows, bad = read_jsonl(path)
+def _check_rows(path: Path, rows: list[dict], cfg: GenerateConfig, plan: list[int], policy_name: str) -> None:
+    """Rows of another model, --num_turns or STTS turn budget stop the run: mixing them would
+    corrupt the metrics."""
+    offsets = stts.round_offsets(plan)
     needed = ("task_key", "sample", "turn", "iteration", "iter_turn", "level", "problem_id")
     for i, r in enumerate(rows):
         missing = [k for k in needed if r.get(k) is None]
         if missing:
             raise SystemExit(f"generate.py: {path} row {i + 1} lacks {', '.join(missing)}: not a generate.py "
                              f"output; pass another --output or --resume false")
-        if r.get("num_turns", num_turns) != num_turns or int(r["iter_turn"]) >= num_turns \
-                or int(r["turn"]) != int(r["iteration"]) * num_turns + int(r["iter_turn"]):
-            raise SystemExit(f"generate.py: {path} was written with --num_turns {r.get('num_turns', '?')}, not "
-                             f"{num_turns} (row {i + 1}); pass another --output or --resume false")
+        k, t = int(r["iteration"]), int(r["iter_turn"])
+        if r.get("num_turns", cfg.num_turns) != cfg.num_turns or r.get("round_turns", plan[k]) != plan[k] \
+                or t >= plan[k] or int(r["turn"]) != offsets[k] + t:
+            raise SystemExit(f"generate.py: {path} was written with --num_turns {r.get('num_turns', '?')} or "
+                             f"another STTS window, not --num_turns {cfg.num_turns} --stts_window {cfg.stts_window} "
+                             f"(row {i + 1}); pass another --output or --resume false")
         if r.get("model") not in (None, policy_name):
             raise SystemExit(f"generate.py: {path} holds generations of {r.get('model')!r}, not {policy_name!r}; "
                              f"pass another --output or --resume false")
+
+
+def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str) -> tuple[list[dict], int]:
+    """The rows to keep from a previous run, and how many lines were dropped.
+
+    A (task, sample) keeps its rounds 0..k-1 where each has all of its turns (`round_turns`);
+    later rounds, partial rounds and unreadable lines are dropped, and the file is rewritten
+    (atomically) when anything was dropped."""
+    rows, bad = read_jsonl(path)
+    rounds = max([cfg.stts_iterations] + [int(r.get("iteration") or 0) + 1 for r in rows])
+    plan = stts.round_turns(cfg.num_turns, cfg.stts_window, rounds, cfg.stts_window_counts)
+    _check_rows(path, rows, cfg, plan, policy_name)
+    offsets = stts.round_offsets(plan)
     by_key: dict[tuple, tuple[int, dict]] = {}
     for pos, r in enumerate(rows):
         by_key[(*_unit(r), int(r["turn"]))] = (pos, r)  # a duplicate key: the last row wins
@@ -231,7 +244,7 @@ def resume_rows(path: Path, num_turns: int, policy_name: str) -> tuple[list[dict
     keep_rounds: dict[tuple, int] = {}
     for unit, ts in turns.items():
         k = 0
-        while all(k * num_turns + t in ts for t in range(num_turns)):
+        while k < len(plan) and all(offsets[k] + t in ts for t in range(plan[k])):
             k += 1
         keep_rounds[unit] = k
     kept = [r for _, r in sorted(by_key.values(), key=lambda pr: pr[0])
@@ -260,84 +273,94 @@ def run(cfg: GenerateConfig, tasks: Sequence, policy: Policy, evaluate_fn: Calla
     """Generate (and evaluate) every missing (task, sample, round); return the summary."""
     from tqdm import tqdm
 
-    from drkernel import metrics, stts
-    from drkernel.generation import GenerationConfig
-    from drkernel.rollout import RolloutConfig, rollout
-
     out = Path(cfg.output)
-    if not cfg.resume and out.exists() and out.stat().st_size:
-        backup = out.with_name(f"{out.stem}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
-        os.replace(out, backup)  # a fresh start never destroys finished generations
-        print(f"[generate] --resume false: moved the old generations to {backup}", file=sys.stderr)
-    rows, dropped = resume_rows(out, cfg.num_turns, policy.name) if out.exists() else ([], 0)
-    if dropped:
-        print(f"[generate] dropped {dropped} line(s) of unfinished trajectories from {out}; they are regenerated",
-              file=sys.stderr)
-    history: dict[tuple[str, int], list[dict]] = {}
-    for r in sorted(rows, key=lambda r: int(r["turn"])):
-        history.setdefault(_unit(r), []).append(r)
+    rows = _previous_rows(out, cfg, policy)
     done = {(*_unit(r), int(r["iteration"])) for r in rows}
-
-    iterations, samples = cfg.stts_iterations, cfg.samples_per_task
-    todo = [(t, s, k) for t in tasks for s in range(samples) for k in range(iterations)
+    todo = [(t, s, k) for t in tasks for s in range(cfg.samples_per_task) for k in range(cfg.stts_iterations)
             if (t.key, s, k) not in done]
-    if len(todo) < len(tasks) * samples * iterations:
-        print(f"[generate] resuming: {len(tasks) * samples * iterations - len(todo)} (task, sample, round) "
-              f"unit(s) already in {out}", file=sys.stderr)
-
     # Seed once: a per-call seed (GenerationConfig.seed) would replay the same random draws
     # at every turn and make a trajectory's turns needlessly alike.
     if policy.model is not None:
         import torch
 
         torch.manual_seed(cfg.seed)
-    writer = JsonlWriter(out, sync_each_row=False)
-    try:
-        with tqdm(total=len(todo), desc="generate", unit="traj", file=sys.stderr) as bar:
-            for start in range(0, len(tasks), cfg.tasks_per_batch):
-                batch = tasks[start:start + cfg.tasks_per_batch]
-                for k in range(iterations):
-                    pending = [(t, s) for t in batch for s in range(samples) if (t.key, s, k) not in done]
-                    if not pending:
-                        continue
-                    starts = None
-                    if k > 0:
-                        starts = [stts.context_messages(t, history.get((t.key, s), []), cfg.stts_window)
-                                  for t, s in pending]
-                    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                           top_p=cfg.top_p, top_k=cfg.top_k, do_sample=cfg.temperature > 0,
-                                           backend=cfg.backend, batch_size=cfg.batch_size, seed=None)
-                    rcfg = RolloutConfig(num_generations=1, num_turns=cfg.num_turns,
-                                         max_prompt_tokens=policy.max_prompt_tokens, seed=cfg.seed, generation=gen)
-                    # one trajectory per pending (task, sample): the task repeats, num_generations = 1
-                    trajs = rollout(policy.model, policy.tokenizer, [t for t, _ in pending], evaluate_fn, rcfg,
-                                    generator=policy.generator, start_messages=starts)
-                    for (task, s), traj in zip(pending, trajs):
-                        for turn_sample in traj:
-                            row = make_row(task, s, k, cfg.num_turns, turn_sample, policy)
-                            writer.write(row)
-                            rows.append(row)
-                            history.setdefault((task.key, s), []).append(row)
-                        done.add((task.key, s, k))
+    with JsonlWriter(out, sync_each_row=False) as writer, \
+            tqdm(total=len(todo), desc="generate", unit="traj", file=sys.stderr) as bar:
+        for start in range(0, len(tasks), cfg.tasks_per_batch):
+            batch = tasks[start:start + cfg.tasks_per_batch]
+            for k in range(cfg.stts_iterations):
+                pending = [(t, s) for t in batch for s in range(cfg.samples_per_task) if (t.key, s, k) not in done]
+                if pending:
+                    new = _run_round(cfg, policy, evaluate_fn, pending, k, rows)
+                    for row in new:
+                        writer.write(row)
                     writer.flush()
+                    rows.extend(new)
+                    done.update((t.key, s, k) for t, s in pending)
                     bar.update(len(pending))
-    finally:
-        writer.close()
+    return _summary(cfg, tasks, rows, len(todo))
+
+
+def _previous_rows(out: Path, cfg: GenerateConfig, policy: Policy) -> list[dict]:
+    """The finished rows of an earlier run (`resume_rows`); `--resume false` moves the file aside."""
+    if not cfg.resume and out.exists() and out.stat().st_size:
+        backup = out.with_name(f"{out.stem}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
+        os.replace(out, backup)  # a fresh start never destroys finished generations
+        print(f"[generate] --resume false: moved the old generations to {backup}", file=sys.stderr)
+    rows, dropped = resume_rows(out, cfg, policy.name) if out.exists() else ([], 0)
+    if dropped:
+        print(f"[generate] dropped {dropped} line(s) of unfinished trajectories from {out}; they are regenerated",
+              file=sys.stderr)
+    if rows:
+        print(f"[generate] resuming: {len({(*_unit(r), r['iteration']) for r in rows})} (task, sample, round) "
+              f"unit(s) already in {out}", file=sys.stderr)
+    return rows
+
+
+def _run_round(cfg: GenerateConfig, policy: Policy, evaluate_fn: Callable, pending: list[tuple], k: int,
+               rows: list[dict]) -> list[dict]:
+    """Round k of every pending (task, sample), one trajectory each; returns its rows. A later
+    round starts from the best window of the unit's earlier turns (`stts.context_messages`)."""
+    from drkernel.rollout import rollout
+
+    plan = cfg.round_turns()
+    starts = None
+    if k > 0:
+        starts = [stts.context_messages(t, _earlier_turns(rows, t.key, s), cfg.stts_window, cfg.stts_ties)
+                  for t, s in pending]
+    gen = compose(cfg, GenerationConfig, do_sample=cfg.temperature > 0, seed=None)
+    rcfg = compose(cfg, RolloutConfig, num_generations=1, num_turns=plan[k],
+                   max_prompt_tokens=policy.max_prompt_tokens, generation=gen)
+    # one trajectory per pending (task, sample): the task repeats, num_generations = 1
+    trajs = rollout(policy.model, policy.tokenizer, [t for t, _ in pending], evaluate_fn, rcfg,
+                    generator=policy.generator, start_messages=starts)
+    return [make_row(task, s, k, plan, cfg.num_turns, turn_sample, policy)
+            for (task, s), traj in zip(pending, trajs) for turn_sample in traj]
+
+
+def _earlier_turns(rows: list[dict], task_key: str, sample: int) -> list[dict]:
+    return sorted((r for r in rows if _unit(r) == (task_key, sample)), key=lambda r: int(r["turn"]))
+
+
+def _summary(cfg: GenerateConfig, tasks: Sequence, rows: list[dict], generated: int) -> dict:
+    """`drkernel.metrics` over every turn (best of turns), and per STTS round."""
+    from drkernel import metrics
 
     keys = {t.key for t in tasks}
     mine = [r for r in rows if r["task_key"] in keys]
     expected = [(t.level, t.problem_id) for t in tasks]
-    summary = metrics.summarize(mine, expected, samples=samples, turns=iterations * cfg.num_turns)
-    if iterations > 1:
-        summary["stts"] = stts.iteration_metrics(mine, expected, samples, cfg.num_turns, iterations)
+    plan = cfg.round_turns()
+    summary = metrics.summarize(mine, expected, samples=cfg.samples_per_task, turns=sum(plan))
+    if cfg.stts_iterations > 1:
+        summary["stts"] = stts.iteration_metrics(mine, expected, cfg.samples_per_task, plan)
     summary["config"] = dataclasses.asdict(cfg)
-    summary["generated_this_run"] = len(todo)
-    summary["output"] = str(out)
+    summary["generated_this_run"] = generated
+    summary["output"] = cfg.output
     return summary
 
 
 def print_summary(summary: dict) -> None:
-    from drkernel import metrics, report, stts
+    from drkernel import metrics, report
 
     shown = summary
     if summary.get("stts"):  # dozens of turns: show rounds instead of every turn
@@ -352,12 +375,11 @@ def main(argv=None) -> dict:
     check_config(cfg)
     device = resolve_device(cfg.device)  # before anything imports triton
 
-    from drkernel.tasks import TaskError, load_tasks
+    from drkernel.tasks import TaskError
 
     try:
-        tasks = load_tasks(cfg.tasks, levels=_int_list(cfg.levels) or [1],
-                           problem_ids=_int_list(cfg.problem_ids) or None)
-    except (TaskError, OSError) as exc:
+        tasks = cfg.load_tasks()
+    except (TaskError, OSError, ConfigError) as exc:
         raise SystemExit(f"generate.py: cannot load tasks {cfg.tasks!r}: {exc}") from None
     if not tasks:
         raise SystemExit(f"generate.py: no tasks for tasks={cfg.tasks!r} levels={cfg.levels} "

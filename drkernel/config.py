@@ -4,6 +4,13 @@ Every script defines (or reuses) a dataclass whose field defaults are *the* defa
 `parse_config(Cls, argv)` then applies, in order: the defaults, `--config file.yaml`,
 and `--key value` / `--key=value` flags. Unknown keys are an error, so typos never pass
 silently.
+
+A script's flat config mirrors settings of the library configs it wires together (the
+evaluator's `EvalConfig`, `RewardConfig`, `LossConfig`, ...). Each such field takes its
+default from the library class, and the class declares the mirror in `SHARED`, a tuple of
+(library class, {field here: field there}). `compose(cfg, Target)` builds the library config
+through that map, and `disagreements(Cls)` lists mirrored defaults that differ (a test keeps
+it empty), so a default is written once.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import typing
 from typing import Any, Sequence, TypeVar
 
 T = TypeVar("T")
+Shared = tuple[tuple[type, dict[str, str]], ...]  # (library config class, {field here: field there})
 
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f"}
@@ -143,3 +151,89 @@ def describe(cls: type) -> str:
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+# --------------------------------------------------------------------------------------
+# settings shared between configs
+# --------------------------------------------------------------------------------------
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass field `name` of `cls` (a factory is called)."""
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if f is None:
+        raise KeyError(f"{cls.__name__} has no field {name!r}")
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise KeyError(f"{cls.__name__}.{name} has no default")
+
+
+def shared_settings(cls: type) -> dict[type, dict[str, str]]:
+    """Every (library class -> {field here: field there}) map declared in `SHARED` along the MRO."""
+    out: dict[type, dict[str, str]] = {}
+    for klass in reversed(cls.__mro__):
+        for target, keys in vars(klass).get("SHARED", ()):
+            out.setdefault(target, {}).update(keys)
+    return out
+
+
+def compose(cfg: Any, target: type[T], **fixed: Any) -> T:
+    """`target` built from `cfg`'s mirrored fields (see `SHARED`); `fixed` sets or overrides fields."""
+    keys = shared_settings(type(cfg)).get(target)
+    if keys is None:
+        raise KeyError(f"{type(cfg).__name__} shares no settings with {target.__name__}")
+    values = {there: getattr(cfg, here) for here, there in keys.items()}
+    return target(**{**values, **fixed})
+
+
+def disagreements(cls: type) -> list[str]:
+    """Mirrored settings whose default in `cls` differs from the library class's default."""
+    out = []
+    for target, keys in shared_settings(cls).items():
+        for here, there in keys.items():
+            mine, theirs = field_default(cls, here), field_default(target, there)
+            if mine != theirs:
+                out.append(f"{cls.__name__}.{here} = {mine!r} but {target.__name__}.{there} = {theirs!r}")
+    return out
+
+
+def int_list(text: str, name: str) -> list[int]:
+    """A comma list of integers ("1, 2" -> [1, 2]); a ConfigError names the option otherwise."""
+    try:
+        return [int(x) for x in str(text).replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ConfigError(f"{name} must be a comma list of integers, not {text!r}") from None
+
+
+@dataclasses.dataclass
+class ModelSelection:
+    """The policy every script loads."""
+
+    model: str = dataclasses.field(default="smollm2", metadata={
+        "help": "HF path or hub id, .gguf file, adapter dir, or smollm2 (offline default)"})
+    tokenizer: str | None = dataclasses.field(default=None, metadata={"help": "defaults to model"})
+    dtype: str = dataclasses.field(default="auto", metadata={"help": "weights dtype at load: auto | bf16 | fp16 | fp32"})
+
+
+@dataclasses.dataclass
+class TaskSelection:
+    """The problems a script runs on (train.py, generate.py, evaluate.py)."""
+
+    tasks: str = dataclasses.field(default="bundled", metadata={
+        "help": "bundled | a KernelBench path or hub id (e.g. ../shared/kernelbench) | a .py or dir of .py"})
+    levels: str = dataclasses.field(default="1", metadata={"help": "comma list of KernelBench levels"})
+    problem_ids: str = dataclasses.field(default="", metadata={"help": "comma list; empty = all"})
+
+    def level_list(self) -> list[int]:
+        return int_list(self.levels, "levels") or [1]
+
+    def problem_id_list(self) -> list[int]:
+        return int_list(self.problem_ids, "problem_ids")
+
+    def load_tasks(self) -> list:
+        """The selected tasks (`drkernel.tasks.load_tasks`; TaskError/OSError when unreadable)."""
+        from drkernel.tasks import load_tasks
+
+        return load_tasks(self.tasks, self.level_list(), self.problem_id_list() or None)
+

@@ -1,11 +1,13 @@
-"""Rollout-vs-trainer mismatch correction: truncated importance sampling and rejection.
+"""Rollout-vs-trainer mismatch correction: rejection and (optional) truncated importance sampling.
 
 The rollout engine (vLLM, or our own sampler in another precision) and the trainer give
 slightly different probabilities for the same tokens. PPO's "old" policy is the trainer's
-pi_old, but the tokens were sampled from pi_rollout, so each token is reweighted by
-w = pi_old / pi_rollout = exp(old_logp - rollout_logp), truncated at a cap (TIS), and whole
-sequences whose mismatch is too large are rejected (left out of the loss and its
-denominator). Formulas: docs/algorithm.md.
+pi_old, but the tokens were sampled from pi_rollout; w = pi_old / pi_rollout =
+exp(old_logp - rollout_logp) per token. Sequences whose mismatch is too large are rejected
+(left out of the loss): geometric-mean rejection, over a whole multi-turn trajectory by
+default (`geo_scope`), and a per-turn token veto. That is the released Dr. Kernel recipe;
+truncated importance weights (TIS, `token_is_cap` / `seq_is_cap`) are available but off
+there. Formulas: docs/algorithm.md.
 """
 
 from __future__ import annotations
@@ -17,19 +19,24 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-LOG_RATIO_CLAMP = 20.0
+from drkernel.loss import LOG_RATIO_CLAMP
+
+GEO_SCOPES = ("trajectory", "turn")
 
 
 @dataclass
 class MismatchConfig:
     enabled: bool = True  # False: weights 1, nothing rejected (metrics are still reported)
-    token_is_cap: Optional[float] = 2.0  # token-level TIS: w_t = min(ratio_t, cap); None disables
+    token_is_cap: Optional[float] = None  # token-level TIS: w_t = min(ratio_t, cap); None disables
     seq_is_cap: Optional[float] = None  # sequence-level TIS: min(prod_t ratio_t, cap); None disables
-    geo_low: Optional[float] = 0.999  # reject a sequence if geometric-mean ratio < geo_low
-    geo_high: Optional[float] = 1.001  # reject a sequence if geometric-mean ratio > geo_high
-    token_veto: Optional[float] = 1e-4  # reject a sequence if any token ratio < token_veto
+    geo_low: Optional[float] = 0.999  # reject if the geometric-mean ratio < geo_low
+    geo_high: Optional[float] = 1.001  # reject if the geometric-mean ratio > geo_high
+    geo_scope: str = "trajectory"  # the geometric mean over a whole trajectory's turns, or per "turn"
+    token_veto: Optional[float] = 1e-4  # reject a sequence (turn) if any token ratio < token_veto
 
     def __post_init__(self) -> None:
+        if self.geo_scope not in GEO_SCOPES:
+            raise ValueError(f"geo_scope must be one of {GEO_SCOPES}, not {self.geo_scope!r}")
         for name in ("token_is_cap", "seq_is_cap", "geo_low", "geo_high", "token_veto"):
             v = getattr(self, name)
             if v is not None and v <= 0:
@@ -38,15 +45,30 @@ class MismatchConfig:
             raise ValueError(f"geo_low {self.geo_low} > geo_high {self.geo_high}")
 
 
+def mean_log_ratio(log_w: Tensor, valid: Tensor, trajectory: Tensor | None = None) -> Tensor:
+    """[N] mean log-ratio over each row's valid tokens, or over all tokens of the rows that share
+    a `trajectory` id (the turns of one multi-turn trajectory)."""
+    fvalid = valid.to(log_w.dtype)
+    sums, counts = (log_w * fvalid).sum(-1), fvalid.sum(-1)
+    if trajectory is not None:
+        index = torch.unique(trajectory, return_inverse=True)[1]
+        sums = torch.zeros_like(sums).index_add_(0, index, sums)[index]
+        counts = torch.zeros_like(counts).index_add_(0, index, counts)[index]
+    return sums / counts.clamp(min=1.0)
+
+
 def mismatch_correction(
-    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: MismatchConfig
+    old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: MismatchConfig,
+    trajectory: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, dict[str, float]]:
     """Truncated IS weights [N, L] (detached), keep_mask [N, L] (bool) and metrics.
 
-    Weights are 1 on invalid tokens. If both token and sequence caps are set the weights
-    multiply (normally enable one). A rejected sequence has keep_mask all False; callers use
-    `mask & keep_mask` as the loss mask. Sequences with no valid token are never rejected and
-    do not count in the reject rates.
+    Rows are turns; `trajectory` [N] (ints) says which rows are turns of one trajectory: with
+    `geo_scope="trajectory"` their geometric mean is taken over all of their tokens and they are
+    rejected together (None: every row is a trajectory of its own). Weights are 1 on invalid
+    tokens. If both token and sequence caps are set the weights multiply (normally enable one).
+    A rejected row has keep_mask all False; callers use `mask & keep_mask` as the loss mask.
+    Rows with no valid token are never rejected and do not count in the reject rates.
     """
     if old_logp.dim() != 2 or rollout_logp.shape != old_logp.shape or mask.shape != old_logp.shape:
         raise ValueError(f"old_logp, rollout_logp and mask must all be [N, L]; got {tuple(old_logp.shape)}, "
@@ -57,8 +79,7 @@ def mismatch_correction(
         zero = torch.zeros((), dtype=old_logp.dtype)
         log_w = torch.where(valid, old_logp - rollout_logp, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ratio = torch.exp(log_w)
-        n_tok = fvalid.sum(-1)
-        has_tok = n_tok > 0
+        has_tok = valid.any(-1)
         n_seq = max(int(has_tok.sum()), 1)
         n_valid = max(float(fvalid.sum()), 1.0)
 
@@ -82,7 +103,7 @@ def mismatch_correction(
                 seq_clipped_frac = float(((seq_log_w > math.log(cfg.seq_is_cap)) & has_tok).sum() / n_seq)
             weights = torch.where(valid, weights, torch.ones((), dtype=weights.dtype))
 
-            mean_log_w = log_w.sum(-1) / n_tok.clamp(min=1.0)
+            mean_log_w = mean_log_ratio(log_w, valid, trajectory if cfg.geo_scope == "trajectory" else None)
             if cfg.geo_low is not None:
                 geo_reject |= mean_log_w < math.log(cfg.geo_low)
             if cfg.geo_high is not None:

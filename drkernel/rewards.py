@@ -10,10 +10,16 @@ reward = 0 (fail_reward) unless the verdict is `correct` with no hacks; otherwis
   interpreter vs eager torch) still counts: it is what the CPU run measured, consistent within
   a CPU run, but it is not comparable to GPU speedups (it is usually far below 1).
 
+One reward per result: the evaluator fills `EvalResult.reward` with the caller's config;
+`score` computes it (with the same config) only for results that come without one (format
+errors, injected environments).
+
 PRS: a correct turn is kept with probability clamp((share - threshold) / width, 0, 1), so that
 correct-but-lazy kernels (most time in torch/cuBLAS, a decoy Triton launch) are rarely trained
 on. Failures are always kept (they are the negative samples). A correct turn without a profile
-(share None, e.g. CPU) is kept with probability 1: there is no evidence to reject it.
+(share None) counts as share 0 and is rejected, as in KernelGYM (`prs_missing_profile="reject"`;
+there a missing coverage reads as 0); "keep" keeps it (no evidence either way). On CPU no turn
+has a profile, so "reject" leaves no correct turn in the loss there.
 """
 
 from __future__ import annotations
@@ -21,7 +27,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from drkernel.evaluator import EvalResult
+
+PRS_MISSING_PROFILE = ("reject", "keep")
 
 
 @dataclasses.dataclass
@@ -33,7 +44,13 @@ class RewardConfig:
     prs_enabled: bool = True
     prs_threshold: float = 0.3
     prs_width: float = 0.1
+    prs_missing_profile: str = "reject"  # a correct turn without a profile: "reject" (share 0) | "keep"
     fail_reward: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.prs_missing_profile not in PRS_MISSING_PROFILE:
+            raise ValueError(f"prs_missing_profile must be one of {PRS_MISSING_PROFILE}, "
+                             f"not {self.prs_missing_profile!r}")
 
 
 @dataclasses.dataclass
@@ -105,27 +122,34 @@ def compute_reward(result: Any, cfg: RewardConfig | None = None) -> RewardTerms:
                        reason="correct" + (f" ({', '.join(notes)})" if notes else ""))
 
 
+def score(result: EvalResult, cfg: RewardConfig) -> float:
+    """The result's reward: the evaluator's (computed with the caller's config), else computed
+    here with `cfg` and stored on the result, so that it is computed once."""
+    if result.reward is None:
+        terms = compute_reward(result, cfg)
+        result.reward, result.reward_terms = terms.reward, terms.to_dict()
+    return float(result.reward)
+
+
 def prs_keep_prob(share: float | None, cfg: RewardConfig | None = None) -> float:
-    """clamp((share - threshold) / width, 0, 1); 1.0 when share is None or PRS is disabled."""
+    """clamp((share - threshold) / width, 0, 1) for a correct turn; 1.0 when PRS is disabled.
+    A missing share reads as 0 (`prs_missing_profile="reject"`) or keeps the turn ("keep")."""
     cfg = cfg or RewardConfig()
     s = _finite(share)
-    if not cfg.prs_enabled or s is None:
+    if not cfg.prs_enabled:
         return 1.0
+    if s is None:
+        if cfg.prs_missing_profile == "keep":
+            return 1.0
+        s = 0.0
     if cfg.prs_width <= 0:
         return 1.0 if s >= cfg.prs_threshold else 0.0
     return min(1.0, max(0.0, (s - cfg.prs_threshold) / cfg.prs_width))
 
 
-def prs_keep(result: Any, cfg: RewardConfig | None = None,
-             generator: random.Random | None = None) -> bool:
+def prs_keep(result: Any, cfg: RewardConfig, rng: random.Random) -> bool:
     """Keep this turn for training? Only correct turns are subject to PRS; failures are kept."""
-    cfg = cfg or RewardConfig()
     if not cfg.prs_enabled or not is_correct(result):
         return True
     p = prs_keep_prob(_get(result, "triton_time_share"), cfg)
-    if p >= 1.0:
-        return True
-    if p <= 0.0:
-        return False
-    rng = generator if generator is not None else random
-    return rng.random() < p
+    return p >= 1.0 or (p > 0.0 and rng.random() < p)

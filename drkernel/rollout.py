@@ -10,36 +10,47 @@ asked to make a correct kernel faster. Per turn:
    `format_error` result and never reaches the evaluator;
 4. call `evaluate_fn` ONCE with all of the turn's (task, code) pairs, so the evaluator's
    pool can run them in parallel;
-5. score each result with `reward_fn`, optionally mark samples for profiling-based
-   rejection (`prs_fn`), and append (assistant response, feedback) to the history.
+5. take each result's reward (`rewards.score`: the evaluator's, computed with the same
+   `RewardConfig`, or computed here for results that come without one) and append
+   (assistant response, feedback) to the history.
 
-The evaluator is passed in as a callable, so this module imports neither the evaluator
-nor (until a reward is needed) the rewards module.
+Which turns are trained on (PRS, outcome masks) is the trainer's decision, not the rollout's.
+The evaluator is passed in as a callable, so this module does not import it at run time.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import random
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
+from drkernel.evaluator import EvalResult
 from drkernel.generation import GenerationConfig, GenOutput
-from drkernel.prompts import (FORMAT_ERROR, extract_code, feedback_message, first_turn_messages,
-                              format_error_result, render_prompt, truncate_history)
+from drkernel.prompts import (FORMAT_ERROR, extract_code, feedback_message, first_turn_messages, format_error_result,
+                              render_prompt, truncate_history)
+from drkernel.rewards import RewardConfig, score
 from drkernel.tasks import Task
 
-EvaluateFn = Callable[[list[tuple[Task, str]]], list[dict]]
+if TYPE_CHECKING:
+    import torch
+
+EvaluateFn = Callable[[list[tuple[Task, str]]], list[EvalResult]]
+
+
+@dataclasses.dataclass
+class EvaluatorFailure(EvalResult):
+    """The result of a candidate the evaluator could not judge (its own failure, not the
+    policy's): the trainer keeps such turns out of the loss and, by default, out of the baseline."""
 
 
 @dataclasses.dataclass
 class RolloutConfig:
-    num_generations: int = 4  # trajectories (samples) per task: one advantage group
+    num_generations: int = 2  # trajectories (samples) per task: one advantage group
     num_turns: int = 3
     max_prompt_tokens: int = 4096
-    seed: int = 0  # PRS coin flips; generation seeding lives in `generation.seed` (see `turn_seed`)
     keep_messages: bool = False  # store each sample's prompt messages (debugging; heavy)
     generation: GenerationConfig = dataclasses.field(default_factory=GenerationConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)  # for results without a reward
 
 
 @dataclasses.dataclass
@@ -53,41 +64,10 @@ class TurnSample:
     rollout_logprobs: list[float]  # log_softmax(logits / T) of each response token at sampling
     response_text: str
     code: str | None
-    result: dict
+    result: EvalResult
     reward: float
-    prs_keep: bool = True  # False: dropped by profiling-based rejection sampling
     finished: bool = True  # the response ended with EOS
     messages: list[dict] | None = None
-
-
-def default_reward_fn() -> Callable[[dict], float]:
-    """`drkernel.rewards.compute_reward` with its default config, imported lazily.
-
-    Only if the rewards module is missing do we fall back to 1.0 for a correct result and
-    0.0 otherwise (so rollouts work before the reward module exists).
-    """
-    try:
-        from drkernel import rewards
-    except ImportError:
-        return lambda result: 1.0 if result.get("correct") else 0.0
-    cfg = rewards.RewardConfig() if hasattr(rewards, "RewardConfig") else None
-
-    def fn(result: dict) -> float:
-        terms = rewards.compute_reward(result, cfg) if cfg is not None else rewards.compute_reward(result)
-        return _as_float(terms)
-
-    return fn
-
-
-def _as_float(terms: Any) -> float:
-    if isinstance(terms, (int, float)):
-        return float(terms)
-    for key in ("total", "reward", "value"):
-        if isinstance(terms, dict) and key in terms:
-            return float(terms[key])
-        if hasattr(terms, key):
-            return float(getattr(terms, key))
-    return float(terms)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -98,23 +78,12 @@ def turn_seed(seed: int, turn: int) -> int:
     return int(hashlib.sha256(f"{int(seed)}:turn{turn}".encode()).hexdigest()[:8], 16)
 
 
-def _generate_default(model, tokenizer, prompts, cfg) -> list[GenOutput]:
-    from drkernel.generation import generate
-
-    return generate(model, tokenizer, prompts, cfg)
-
-
 def rollout(model, tokenizer, tasks: Sequence[Task], evaluate_fn: EvaluateFn,
-            cfg: RolloutConfig | None = None, reward_fn: Callable[[dict], float] | None = None,
-            prs_fn: Callable[[dict], Any] | None = None,
-            generator: Callable[..., list[GenOutput]] | None = None,
+            cfg: RolloutConfig | None = None, generator: Callable[..., list[GenOutput]] | None = None,
             start_messages: Sequence[list[dict]] | None = None) -> list[list[TurnSample]]:
     """Trajectories, one list of TurnSamples per (task, sample), task-major order.
 
-    - `evaluate_fn(list[(Task, code)]) -> list[result dict]`, called once per turn;
-    - `reward_fn(result) -> float` (default: `default_reward_fn()`);
-    - `prs_fn(result) -> bool | float`: keep the sample (bool) or its keep probability
-      (float, drawn with a `random.Random(cfg.seed)`); None keeps everything;
+    - `evaluate_fn(list[(Task, code)]) -> list[EvalResult]`, called once per turn;
     - `generator(model, tokenizer, prompt_ids_list, GenerationConfig) -> list[GenOutput]`
       replaces `generation.generate` (e.g. an inference engine); None uses it;
     - `start_messages`: one starting conversation per trajectory (task-major), e.g. a
@@ -122,93 +91,86 @@ def rollout(model, tokenizer, tasks: Sequence[Task], evaluate_fn: EvaluateFn,
       trajectory from `first_turn_messages(task)`.
     """
     cfg = cfg or RolloutConfig()
-    reward_fn = reward_fn or default_reward_fn()
-    generator = generator or _generate_default
-    rng = random.Random(cfg.seed)
-    if start_messages is not None and len(start_messages) != len(tasks) * cfg.num_generations:
-        raise ValueError(f"start_messages holds {len(start_messages)} conversations for "
-                         f"{len(tasks) * cfg.num_generations} trajectories")
-
-    histories: list[list[dict]] = []
-    owners: list[tuple[int, Task]] = []
-    for g, task in enumerate(tasks):
-        for _ in range(cfg.num_generations):
-            start = first_turn_messages(task) if start_messages is None else start_messages[len(histories)]
-            histories.append([dict(m) for m in start])
-            owners.append((g, task))
+    if generator is None:
+        from drkernel.generation import generate as generator
+    owners = [(g, task) for g, task in enumerate(tasks) for _ in range(cfg.num_generations)]
+    if start_messages is not None and len(start_messages) != len(owners):
+        raise ValueError(f"start_messages holds {len(start_messages)} conversations for {len(owners)} trajectories")
+    histories = [[dict(m) for m in (first_turn_messages(task) if start_messages is None else start_messages[i])]
+                 for i, (_, task) in enumerate(owners)]
     trajectories: list[list[TurnSample]] = [[] for _ in histories]
-
     for turn in range(1, cfg.num_turns + 1):
-        # 1. prompts
         messages = [truncate_history(h, tokenizer, cfg.max_prompt_tokens) for h in histories]
         prompt_ids = [tokenizer(render_prompt(m, tokenizer), add_special_tokens=False)["input_ids"]
                       for m in messages]
-        # 2. generation (batched inside), with this turn's own sampling seed
-        gen_cfg = cfg.generation
-        if gen_cfg.seed is not None:
-            gen_cfg = dataclasses.replace(gen_cfg, seed=turn_seed(gen_cfg.seed, turn))
-        outs = generator(model, tokenizer, prompt_ids, gen_cfg)
+        outs = generator(model, tokenizer, prompt_ids, _turn_generation(cfg.generation, turn))
         texts = [tokenizer.decode(o.response_ids, skip_special_tokens=True) for o in outs]
         codes = [extract_code(t) for t in texts]
-        # 3-4. one evaluator call for the whole turn; format errors never reach it
-        results: list[dict | None] = [None] * len(histories)
-        pending = [i for i, c in enumerate(codes) if c is not None]
-        if pending:
-            evaluated = evaluate_fn([(owners[i][1], codes[i]) for i in pending])
-            if len(evaluated) != len(pending):
-                raise RuntimeError(f"evaluate_fn returned {len(evaluated)} results for {len(pending)} candidates")
-            for i, res in zip(pending, evaluated):
-                results[i] = dict(res)
-        for i, c in enumerate(codes):
-            if c is None:
-                results[i] = format_error_result()
-        # 5. rewards, rejection, history
+        results = _evaluate_turn(evaluate_fn, [task for _, task in owners], codes)
         for i, (out, text, code, result) in enumerate(zip(outs, texts, codes, results)):
-            assert result is not None
-            reward = float(reward_fn(result))
-            keep = True
-            if prs_fn is not None:
-                verdict = prs_fn(result)
-                keep = verdict if isinstance(verdict, bool) else rng.random() < float(verdict)
             g, task = owners[i]
             trajectories[i].append(TurnSample(
                 task_key=task.key, group_id=g, traj_id=i, turn=turn, prompt_ids=list(prompt_ids[i]),
                 response_ids=list(out.response_ids), rollout_logprobs=list(out.logprobs),
-                response_text=text, code=code, result=result, reward=reward, prs_keep=bool(keep),
+                response_text=text, code=code, result=result, reward=score(result, cfg.reward),
                 finished=bool(out.finished), messages=messages[i] if cfg.keep_messages else None))
             if turn < cfg.num_turns:
-                histories[i].append({"role": "assistant", "content": text})
-                answered = sum(m["role"] == "assistant" for m in histories[i])  # = turn from scratch
-                histories[i].append({"role": "user", "content": feedback_message(result, answered)})
+                _append_feedback(histories[i], text, result)
     return trajectories
 
 
-def to_training_batch(trajectories: Sequence[Sequence[TurnSample]]) -> dict:
-    """Tensors for `advantages.compute_advantages` plus the flat sample list.
+def _turn_generation(gen: GenerationConfig, turn: int) -> GenerationConfig:
+    """This turn's generation config: its own sampling seed (see `turn_seed`)."""
+    return gen if gen.seed is None else dataclasses.replace(gen, seed=turn_seed(gen.seed, turn))
 
-    rewards [B, T] float32 (0 where no turn), turn_mask [B, T] bool, prs_mask [B, T] bool
-    (turn exists and was kept), group_ids [B] long; `samples[k]` sits at `index[k] = (b, t)`.
-    """
+
+def _evaluate_turn(evaluate_fn: EvaluateFn, tasks: Sequence[Task], codes: Sequence[str | None]) -> list[EvalResult]:
+    """One evaluator call for the turn's candidates; a response without code is a format error."""
+    pending = [i for i, c in enumerate(codes) if c is not None]
+    results = [EvalResult.from_dict(format_error_result()) for _ in codes]
+    if pending:
+        evaluated = list(evaluate_fn([(tasks[i], codes[i]) for i in pending]))
+        if len(evaluated) != len(pending):
+            raise RuntimeError(f"evaluate_fn returned {len(evaluated)} results for {len(pending)} candidates")
+        for i, res in zip(pending, evaluated):
+            results[i] = res
+    return results
+
+
+def _append_feedback(history: list[dict], response: str, result: EvalResult) -> None:
+    """The answer and the evaluator's feedback on it, numbered from the conversation's start."""
+    history.append({"role": "assistant", "content": response})
+    answered = sum(m["role"] == "assistant" for m in history)
+    history.append({"role": "user", "content": feedback_message(result.to_dict(), answered)})
+
+
+@dataclasses.dataclass
+class TrainingBatch:
+    """A rollout as tensors for `advantages.compute_advantages`, plus the flat sample list."""
+
+    rewards: torch.Tensor  # [B, T] float32, 0 where there is no turn
+    turn_mask: torch.Tensor  # [B, T] bool: the turn exists
+    group_ids: torch.Tensor  # [B] long
+    samples: list[TurnSample]  # samples[k] sits at index[k] = (b, t)
+    index: list[tuple[int, int]]
+
+
+def to_training_batch(trajectories: Sequence[Sequence[TurnSample]]) -> TrainingBatch:
+    """Rewards and turn mask [B, T], group ids [B], and every sample with its (b, t)."""
     import torch
 
-    n_traj = len(trajectories)
     n_turns = max((len(t) for t in trajectories), default=0)
-    rewards = torch.zeros((n_traj, n_turns), dtype=torch.float32)
-    turn_mask = torch.zeros((n_traj, n_turns), dtype=torch.bool)
-    prs_mask = torch.zeros((n_traj, n_turns), dtype=torch.bool)
-    group_ids = torch.zeros(n_traj, dtype=torch.long)
+    rewards = torch.zeros((len(trajectories), n_turns), dtype=torch.float32)
+    turn_mask = torch.zeros((len(trajectories), n_turns), dtype=torch.bool)
+    group_ids = torch.tensor([traj[0].group_id if traj else 0 for traj in trajectories], dtype=torch.long)
     samples, index = [], []
     for b, traj in enumerate(trajectories):
-        if traj:
-            group_ids[b] = traj[0].group_id
         for t, s in enumerate(traj):
             rewards[b, t] = float(s.reward)
             turn_mask[b, t] = True
-            prs_mask[b, t] = bool(s.prs_keep)
             samples.append(s)
             index.append((b, t))
-    return {"rewards": rewards, "turn_mask": turn_mask, "prs_mask": prs_mask,
-            "group_ids": group_ids, "samples": samples, "index": index}
+    return TrainingBatch(rewards, turn_mask, group_ids, samples, index)
 
 
 def _mean(xs: list[float]) -> float:
@@ -219,10 +181,12 @@ def rollout_stats(trajectories: Sequence[Sequence[TurnSample]]) -> dict:
     """Flat metrics per turn (`turn{k}/...`) and over all turns (`all/...`).
 
     correct: share of correct results; speedup: mean over correct results; fast_1: share of
-    all samples that are correct and faster than the reference; triton_share: mean Triton
-    share of device time where reported; format_error: share without usable code;
-    response_len: mean response length in tokens; reward: mean reward; prs_kept: share kept.
+    all samples that are correct and faster than the reference (`metrics.is_fast`); triton_share:
+    mean Triton share of device time where reported; format_error: share without usable code;
+    response_len: mean response length in tokens; reward: mean reward.
     """
+    from drkernel import metrics
+
     by_turn: dict[int, list[TurnSample]] = {}
     for traj in trajectories:
         for s in traj:
@@ -231,17 +195,16 @@ def rollout_stats(trajectories: Sequence[Sequence[TurnSample]]) -> dict:
     groups = {f"turn{k}": v for k, v in sorted(by_turn.items())}
     groups["all"] = [s for v in by_turn.values() for s in v]
     for name, ss in groups.items():
-        correct = [s for s in ss if s.result.get("correct")]
-        shares = [float(s.result["triton_time_share"]) for s in ss
-                  if s.result.get("triton_time_share") is not None]
+        rows = [s.result.to_dict() for s in ss]
+        correct = [r for r in rows if metrics.is_correct(r)]
+        shares = [float(s.result.triton_time_share) for s in ss if s.result.triton_time_share is not None]
         n = max(1, len(ss))
         stats[f"{name}/n"] = float(len(ss))
         stats[f"{name}/correct"] = len(correct) / n
-        stats[f"{name}/speedup"] = _mean([float(s.result.get("speedup") or 0.0) for s in correct])
-        stats[f"{name}/fast_1"] = sum(1 for s in correct if float(s.result.get("speedup") or 0.0) > 1.0) / n
+        stats[f"{name}/speedup"] = _mean([float(r.get("speedup") or 0.0) for r in correct])
+        stats[f"{name}/fast_1"] = sum(metrics.is_fast(r, 1.0) for r in rows) / n
         stats[f"{name}/triton_share"] = _mean(shares)
-        stats[f"{name}/format_error"] = sum(1 for s in ss if s.result.get("verdict") == FORMAT_ERROR) / n
+        stats[f"{name}/format_error"] = sum(1 for s in ss if s.result.verdict == FORMAT_ERROR) / n
         stats[f"{name}/response_len"] = _mean([float(len(s.response_ids)) for s in ss])
         stats[f"{name}/reward"] = _mean([float(s.reward) for s in ss])
-        stats[f"{name}/prs_kept"] = sum(1 for s in ss if s.prs_keep) / n
     return stats

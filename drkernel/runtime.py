@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from drkernel.config import ConfigError, ModelSelection
 from drkernel.jsonl import json_safe
 
 TRAINER_STATE = "trainer_state.json"
@@ -32,15 +33,13 @@ _CKPT = re.compile(r"^checkpoint-(\d+)$")
 
 
 @dataclasses.dataclass
-class RunConfig:
+class RunConfig(ModelSelection):
     """Fields both stages take (RL's TrainConfig and SFTConfig extend this)."""
 
-    model: str = "smollm2"  # path, hub id, .gguf file, adapter dir, or "smollm2" (offline default)
-    tokenizer: str | None = None  # defaults to `model`
     output_dir: str = "runs/drkernel"
     max_steps: int = 2
     learning_rate: float = 1e-6
-    weight_decay: float = 0.0
+    weight_decay: float = 0.01  # KernelGYM's actor and SFT optimizers (verl actor.yaml, sft_trainer.yaml)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     warmup_steps: int = 0
@@ -48,7 +47,6 @@ class RunConfig:
     max_grad_norm: float = 1.0
     gradient_accumulation_steps: int = 1
     mixed_precision: str = "no"  # "no" | "bf16" | "fp16" (Accelerate)
-    dtype: str = "auto"  # weights dtype at load: auto | bf16 | fp32 | fp16
     gradient_checkpointing: bool = False
     gradient_checkpointing_every: int = dataclasses.field(default=1, metadata={
         "help": "with gradient_checkpointing: checkpoint only every n-th decoder layer (1 = all, least "
@@ -96,6 +94,18 @@ def make_accelerator(cfg: RunConfig, config_dict: dict[str, Any] | None = None):
     if usable:
         acc.init_trackers(cfg.project_name, config=_flat_scalars(config_dict or dataclasses.asdict(cfg)))
     return acc
+
+
+def make_optimizer(model, cfg: RunConfig, device, fused: bool = True):
+    """AdamW over the trainable parameters; torch's fused kernel on a GPU (one launch per step)."""
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ConfigError("the model has no trainable parameters")
+    fused = fused and torch.device(device).type == "cuda"
+    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             weight_decay=cfg.weight_decay, **({"fused": True} if fused else {}))
 
 
 def _flat_scalars(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

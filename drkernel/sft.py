@@ -213,7 +213,6 @@ def _trim_metrics(output_dir: str, last_step: int) -> None:
 
 def train(cfg: SFTConfig) -> dict:
     """Run SFT; return a summary (steps, last loss, paths)."""
-    import torch
     from tqdm.auto import tqdm
     from transformers import get_scheduler
 
@@ -248,10 +247,7 @@ def train(cfg: SFTConfig) -> dict:
     model.config.use_cache = False
     if cfg.torch_compile:  # after LoRA and checkpointing, before prepare
         compile_decoder_layers(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = bool(cfg.fused_adamw and acc.device.type == "cuda")
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                  weight_decay=cfg.weight_decay, fused=fused or None)
+    optimizer = rt.make_optimizer(model, cfg, acc.device, fused=cfg.fused_adamw)
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
                               num_training_steps=total)
     model, optimizer = acc.prepare(model, optimizer)

@@ -9,20 +9,21 @@ One `Trainer.step()`:
    per task, sampled by the unwrapped model in eval mode with its KV cache; the sampling seed
    is derived from (seed, step, rank), so a resumed run samples exactly what the original did;
 3. **evaluate**: every turn's candidates in one call to the sandboxed `Evaluator` pool (Triton
-   interpreter on a CPU-only machine); **rewards** from `drkernel.rewards` and PRS coin flips;
-4. **advantages** (`compute_advantages`, TRLOO by default) over *all* turns; PRS-rejected and
-   outcome-masked turns are dropped only afterwards, so they still count in the group baseline;
-5. **update** (`policy_update`): per micro-batch one forward pass gives the log-probs of the
-   response tokens, computed from the final hidden states in chunks of tokens (a [B, L, V] fp32
-   logits tensor is never built); on the first pass these are also π_old (the policy that was
-   current when the batch was collected), then the rollout-vs-trainer mismatch correction, the
-   PPO-clip loss and backward; gradients are normalised globally, clipped, one optimizer step
-   per pass over the batch (`num_iterations` passes);
+   interpreter on a CPU-only machine), which scores each result with this run's `RewardConfig`;
+4. **turns and advantages** (`update_samples`): void turns (a failure after a success) and
+   trajectories with an evaluator failure leave the baseline and the loss; PRS-rejected and
+   outcome-masked turns leave only the loss, so they still count in the group baseline;
+   `compute_advantages` (TRLOO by default) over the turns of the baseline;
+5. **update** (`policy_update`): π_old log-probs (one no-grad forward per micro-batch, computed
+   from the final hidden states in chunks of tokens: a [B, L, V] fp32 logits tensor is never
+   built), the rollout-vs-trainer mismatch correction over the whole batch (a trajectory's
+   turns are judged together), then per pass the PPO-clip loss and backward, gradients divided
+   by the global denominator, clipped, one optimizer step (`num_iterations` passes);
 6. **logging** (`MetricsLogger`: metrics.jsonl + TensorBoard), rollout dumps
    (`<output_dir>/rollouts/step_<N>.jsonl`), checkpoints with exact resume.
 
-Environments can be injected (`evaluate_fn`, `reward_fn`, `sample_reward_fn`, `generator`), so
-the loop can be tested and studied without the evaluator (see tests/test_train.py).
+Environments can be injected (`evaluate_fn`, `sample_reward_fn`, `generator`), so the loop can
+be tested and studied without the evaluator (tests/test_train.py, tests/test_trainer_turns.py).
 """
 
 from __future__ import annotations
@@ -43,51 +44,75 @@ import torch
 import torch.utils.checkpoint
 
 from drkernel.advantages import ESTIMATORS, SCALES, compute_advantages
-from drkernel.config import ConfigError, parse_config
+from drkernel.config import ConfigError, TaskSelection, compose, parse_config
+from drkernel.evaluator import EvalConfig, EvalResult
 from drkernel.generation import GenerationConfig, GenOutput, logprob_temperature
 from drkernel.loss import LOSS_TYPES, LossConfig, policy_loss
 from drkernel.mismatch import MismatchConfig, mismatch_correction
-from drkernel.rewards import RewardConfig
-from drkernel.rollout import RolloutConfig, TurnSample, rollout, rollout_stats, to_training_batch
-from drkernel.runtime import RunConfig
+from drkernel.rewards import RewardConfig, prs_keep
+from drkernel.rollout import (EvaluateFn, EvaluatorFailure, RolloutConfig, TurnSample, rollout, rollout_stats,
+                              to_training_batch)
+from drkernel.runtime import RunConfig, make_optimizer
 from drkernel.tasks import Task, TaskError
 
-_L, _M, _R = LossConfig, MismatchConfig, RewardConfig  # defaults come from these, in one place
+# defaults come from these, in one place (see drkernel.config: SHARED)
+_E, _G, _L, _M, _R, _Ro = EvalConfig, GenerationConfig, LossConfig, MismatchConfig, RewardConfig, RolloutConfig
+LOSS_DENOMINATORS = ("batch", "kept")
 
 
 @dataclasses.dataclass
-class TrainConfig(RunConfig):
-    """RL options (TRL GRPO names where they exist). The defaults run a short real CPU run."""
+class TrainConfig(RunConfig, TaskSelection):
+    """RL options (TRL GRPO names where they exist). The defaults run a short real CPU run;
+    `configs/drkernel_recipe.yaml` is the released Dr. Kernel 14B recipe."""
+
+    SHARED = (
+        (EvalConfig, {"eval_device": "device", "eval_trials": "trials", "eval_perf_trials": "perf_trials",
+                      "eval_timeout": "timeout", "eval_max_speedup_recheck": "max_speedup_recheck"}),
+        (RewardConfig, {"correct_weight": "correct_weight", "speedup_weight": "speedup_weight",
+                        "speedup_cap": "speedup_cap", "profile_weight": "profile_weight", "prs": "prs_enabled",
+                        "prs_threshold": "prs_threshold", "prs_width": "prs_width",
+                        "prs_missing_profile": "prs_missing_profile"}),
+        (RolloutConfig, {"num_generations": "num_generations", "num_turns": "num_turns",
+                         "max_prompt_tokens": "max_prompt_tokens"}),
+        (GenerationConfig, {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
+                            "top_k": "top_k", "generation_backend": "backend",
+                            "generation_batch_size": "batch_size", "generation_compile": "compile"}),
+        (LossConfig, {"epsilon": "epsilon", "epsilon_high": "epsilon_high", "dual_clip_c": "dual_clip_c",
+                      "loss_type": "loss_type", "norm_length": "norm_length", "beta": "beta",
+                      "kl_estimator": "kl_estimator", "entropy_coef": "entropy_coef"}),
+        (MismatchConfig, {"mismatch_correction": "enabled", "token_is_cap": "token_is_cap",
+                          "seq_is_cap": "seq_is_cap", "geo_low": "geo_low", "geo_high": "geo_high",
+                          "geo_scope": "geo_scope", "token_veto": "token_veto"}),
+    )
 
     output_dir: str = "runs/rl"
     save_total_limit: int = 2
-    # --- tasks
-    tasks: str = dataclasses.field(default="bundled", metadata={
-        "help": "bundled | KernelBench path or hub id | a .py file or a directory of .py"})
-    levels: str = dataclasses.field(default="1", metadata={"help": "comma list of KernelBench levels"})
-    problem_ids: str = dataclasses.field(default="", metadata={"help": "comma list; empty = all"})
+    # --- tasks (which ones: TaskSelection)
     tasks_per_step: int = dataclasses.field(default=2, metadata={
         "help": "tasks (groups) per step over all processes; a multiple of the process count"})
     shuffle_tasks: bool = True
     # --- rollout / generation
-    num_generations: int = dataclasses.field(default=2, metadata={"help": "trajectories per task (group size)"})
-    num_turns: int = 2
-    max_prompt_tokens: int = 4096
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    generation_backend: str = dataclasses.field(default="hf", metadata={"help": "hf | static"})
-    generation_batch_size: int = 64
-    generation_compile: bool = dataclasses.field(default=False, metadata={
+    num_generations: int = dataclasses.field(default=_Ro.num_generations, metadata={
+        "help": "trajectories per task (group size)"})
+    num_turns: int = _Ro.num_turns
+    max_prompt_tokens: int = _Ro.max_prompt_tokens
+    max_new_tokens: int = _G.max_new_tokens
+    temperature: float = _G.temperature
+    top_p: float = _G.top_p
+    top_k: int = _G.top_k
+    generation_backend: str = dataclasses.field(default=_G.backend, metadata={"help": "hf | static"})
+    generation_batch_size: int = _G.batch_size
+    generation_compile: bool = dataclasses.field(default=_G.compile, metadata={
         "help": "static backend on CUDA: torch.compile + CUDA graphs for the decode step (bench/rollout.py)"})
     # --- evaluator
-    eval_device: str = dataclasses.field(default="auto", metadata={"help": "auto | cpu | cuda | cuda:N"})
-    eval_trials: int = 3
-    eval_perf_trials: int = 100
-    eval_timeout: float = 120.0
+    eval_device: str = dataclasses.field(default=_E.device, metadata={"help": "auto | cpu | cuda | cuda:N"})
+    eval_trials: int = _E.trials
+    eval_perf_trials: int = _E.perf_trials
+    eval_timeout: float = _E.timeout
+    eval_max_speedup_recheck: float = dataclasses.field(default=_E.max_speedup_recheck, metadata={
+        "help": "a speedup above this is timed again (KernelGYM re-measures above the speedup cap, 3)"})
     eval_workers: int = dataclasses.field(default=0, metadata={"help": "sandbox workers; 0 = auto"})
-    # --- rewards, PRS, outcome masks
+    # --- rewards, PRS, which turns enter the baseline and the loss
     correct_weight: float = _R.correct_weight
     speedup_weight: float = _R.speedup_weight
     speedup_cap: float = _R.speedup_cap
@@ -95,6 +120,13 @@ class TrainConfig(RunConfig):
     prs: bool = dataclasses.field(default=_R.prs_enabled, metadata={"help": "profiling-based rejection sampling"})
     prs_threshold: float = _R.prs_threshold
     prs_width: float = _R.prs_width
+    prs_missing_profile: str = dataclasses.field(default=_R.prs_missing_profile, metadata={
+        "help": "a correct turn without a profile (always on CPU): reject (share 0, KernelGYM) | keep"})
+    mask_void_turn: bool = dataclasses.field(default=True, metadata={
+        "help": "a turn with reward <= 0 after a turn with reward > 0 leaves the baseline and the loss (KernelGYM)"})
+    drop_failed_trajectories: bool = dataclasses.field(default=True, metadata={
+        "help": "a trajectory with an evaluator failure leaves the baseline and the loss (false: only that turn "
+                "leaves the loss)"})
     mask_truncated: bool = dataclasses.field(default=False, metadata={
         "help": "turns that hit max_new_tokens leave the loss (still in the baseline)"})
     mask_verdicts: str = dataclasses.field(default="", metadata={
@@ -109,6 +141,8 @@ class TrainConfig(RunConfig):
     dual_clip_c: float | None = _L.dual_clip_c
     loss_type: str = _L.loss_type
     norm_length: float = _L.norm_length
+    loss_denominator: str = dataclasses.field(default="batch", metadata={
+        "help": "batch: every turn of the rollout batch (KernelGYM's constant) | kept: the turns left in the loss"})
     beta: float = dataclasses.field(default=_L.beta, metadata={"help": "KL to the initial model; > 0 keeps a reference"})
     kl_estimator: str = _L.kl_estimator
     entropy_coef: float = _L.entropy_coef
@@ -128,6 +162,8 @@ class TrainConfig(RunConfig):
     seq_is_cap: float | None = _M.seq_is_cap
     geo_low: float | None = _M.geo_low
     geo_high: float | None = _M.geo_high
+    geo_scope: str = dataclasses.field(default=_M.geo_scope, metadata={
+        "help": "geometric rejection over a whole trajectory (KernelGYM) | per turn"})
     token_veto: float | None = _M.token_veto
     # --- output
     dump_rollouts: bool = True
@@ -142,6 +178,8 @@ class TrainConfig(RunConfig):
         need(self.scale_rewards in SCALES, f"scale_rewards must be one of {SCALES}, not {self.scale_rewards!r}")
         need(self.scale_rewards == "none" or self.estimator == "grpo", "scale_rewards=group needs estimator=grpo")
         need(self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, not {self.loss_type!r}")
+        need(self.loss_denominator in LOSS_DENOMINATORS,
+             f"loss_denominator must be one of {LOSS_DENOMINATORS}, not {self.loss_denominator!r}")
         need(self.num_generations >= 2, "num_generations must be >= 2 (a group needs another member for its baseline)")
         for name in ("num_turns", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens",
                      "max_steps", "generation_batch_size"):
@@ -159,50 +197,30 @@ class TrainConfig(RunConfig):
         try:
             self.loss_config()
             self.mismatch_config()
-            self.level_list()
-            self.problem_id_list()
+            self.reward_config()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        self.level_list()
+        self.problem_id_list()
 
     # sub-configs of the modules the loop wires together
     def loss_config(self) -> LossConfig:
-        return LossConfig(epsilon=self.epsilon, epsilon_high=self.epsilon_high, dual_clip_c=self.dual_clip_c,
-                          loss_type=self.loss_type, norm_length=self.norm_length, beta=self.beta,
-                          kl_estimator=self.kl_estimator, entropy_coef=self.entropy_coef)
+        return compose(self, LossConfig)
 
     def mismatch_config(self) -> MismatchConfig:
-        return MismatchConfig(enabled=self.mismatch_correction, token_is_cap=self.token_is_cap,
-                              seq_is_cap=self.seq_is_cap, geo_low=self.geo_low, geo_high=self.geo_high,
-                              token_veto=self.token_veto)
+        return compose(self, MismatchConfig)
 
     def reward_config(self) -> RewardConfig:
-        return RewardConfig(correct_weight=self.correct_weight, speedup_weight=self.speedup_weight,
-                            speedup_cap=self.speedup_cap, profile_weight=self.profile_weight,
-                            prs_enabled=self.prs, prs_threshold=self.prs_threshold, prs_width=self.prs_width)
+        return compose(self, RewardConfig)
+
+    def eval_config(self, device: str) -> EvalConfig:
+        return compose(self, EvalConfig, device=device)
 
     def generation_config(self, seed: int | None = None) -> GenerationConfig:
-        return GenerationConfig(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                                top_p=self.top_p, top_k=self.top_k, do_sample=True,
-                                backend=self.generation_backend, batch_size=self.generation_batch_size,
-                                compile=self.generation_compile, seed=seed)
+        return compose(self, GenerationConfig, do_sample=True, seed=seed)
 
     def rollout_config(self, seed: int) -> RolloutConfig:
-        return RolloutConfig(num_generations=self.num_generations, num_turns=self.num_turns,
-                             max_prompt_tokens=self.max_prompt_tokens, seed=seed,
-                             generation=self.generation_config(seed))
-
-    def level_list(self) -> list[int]:
-        return _int_list(self.levels, "levels")
-
-    def problem_id_list(self) -> list[int]:
-        return _int_list(self.problem_ids, "problem_ids")
-
-
-def _int_list(text: str, name: str) -> list[int]:
-    try:
-        return [int(x) for x in str(text).replace(" ", "").split(",") if x]
-    except ValueError:
-        raise ValueError(f"{name} must be a comma list of integers, not {text!r}") from None
+        return compose(self, RolloutConfig, generation=self.generation_config(seed), reward=self.reward_config())
 
 
 # ======================================================================================
@@ -266,7 +284,9 @@ class UpdateSample:
     response_ids: list[int]
     rollout_logprobs: list[float]
     advantage: float
-    train: bool = True  # False: PRS-rejected / outcome-masked (already counted in the baseline)
+    train: bool = True  # False: out of the loss (PRS-rejected, outcome-masked), still in the baseline
+    trajectory: int | None = None  # turns sharing an id form one trajectory (geometric mismatch rejection)
+    in_baseline: bool = True  # False: out of the baseline too (void turns, failed trajectories)
 
 
 def _inner(model):
@@ -372,9 +392,7 @@ class MicroBatch:
     cols: torch.Tensor  # [N] its index in the response
     targets: torch.Tensor  # [N] the token
     mask: torch.Tensor  # [b, R] bool, response tokens
-    rollout_logp: torch.Tensor  # [b, R]
     advantages: torch.Tensor  # [b]
-    train: torch.Tensor  # [b] bool
 
 
 def collate(samples: Sequence[UpdateSample], pad_id: int, device) -> MicroBatch:
@@ -390,7 +408,6 @@ def collate(samples: Sequence[UpdateSample], pad_id: int, device) -> MicroBatch:
     resp = max((len(s.response_ids) for s in samples), default=0)
     ids = torch.full((b, width), int(pad_id), dtype=torch.long)
     mask = torch.zeros((b, max(resp, 1)), dtype=torch.bool)
-    rollout_logp = torch.zeros((b, max(resp, 1)), dtype=torch.float32)
     rows, positions, cols = [], [], []
     for i, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
@@ -400,8 +417,6 @@ def collate(samples: Sequence[UpdateSample], pad_id: int, device) -> MicroBatch:
             raise ValueError(f"sample {i}: {len(s.rollout_logprobs)} rollout log-probs for {r} response tokens")
         ids[i, :p + r] = torch.as_tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long)
         mask[i, :r] = True
-        if r:
-            rollout_logp[i, :r] = torch.as_tensor(s.rollout_logprobs, dtype=torch.float32)
         rows.extend([i] * r)
         positions.extend(range(p - 1, p - 1 + r))
         cols.extend(range(r))
@@ -410,9 +425,8 @@ def collate(samples: Sequence[UpdateSample], pad_id: int, device) -> MicroBatch:
     return MicroBatch(
         input_ids=ids.to(device),
         rows=rows_t.to(device), positions=pos_t.to(device), cols=torch.as_tensor(cols, dtype=torch.long).to(device),
-        targets=ids[rows_t, pos_t + 1].to(device), mask=mask.to(device), rollout_logp=rollout_logp.to(device),
-        advantages=torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32, device=device),
-        train=torch.tensor([bool(s.train) for s in samples], dtype=torch.bool, device=device))
+        targets=ids[rows_t, pos_t + 1].to(device), mask=mask.to(device),
+        advantages=torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32, device=device))
 
 
 def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk_size: int = 1024,
@@ -442,18 +456,50 @@ def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk_siz
 
 
 # ======================================================================================
-# The update
+# The update: π_old log-probs, mismatch correction, PPO loss, optimizer step
 # ======================================================================================
 
+@dataclasses.dataclass
+class _Checked:
+    """A turn whose π_old was computed, after the mismatch correction."""
+
+    sample: UpdateSample
+    old_logp: torch.Tensor  # [r] π_old of its response tokens
+    ref_logp: torch.Tensor | None  # [r] the initial policy's (beta > 0)
+    is_weight: torch.Tensor | None = None  # [r] truncated IS weights (1 where TIS is off)
+    kept: bool = True  # not rejected by the mismatch correction
+
+
+def _sample_weight(s: UpdateSample, loss_type: str) -> float:
+    """What one sample adds to `loss.aggregate`'s denominator: its tokens (token-mean) or 1."""
+    return float(len(s.response_ids)) if loss_type == "token-mean" else float(len(s.response_ids) > 0)
+
+
 def _denominator(mask: torch.Tensor, loss_type: str) -> float:
-    """What `loss.aggregate` divides by: valid tokens (token-mean) or sequences with a valid token."""
+    """`loss.aggregate`'s denominator of one micro-batch: valid tokens or sequences with one."""
     if loss_type == "token-mean":
         return float(mask.sum())
     return float((mask.sum(-1) > 0).sum())
 
 
-def _sample_weight(s: UpdateSample, loss_type: str) -> float:
-    return float(len(s.response_ids)) if loss_type == "token-mean" else float(len(s.response_ids) > 0)
+def _skippable(s: UpdateSample, cfg: TrainConfig) -> bool:
+    """With no KL/entropy term a zero-advantage sample adds exactly nothing to the gradient."""
+    return cfg.skip_zero_advantage and cfg.beta == 0 and cfg.entropy_coef == 0 and s.advantage == 0.0
+
+
+def _trajectory_check(cfg: TrainConfig) -> bool:
+    """Geometric rejection over whole trajectories: every turn's tokens count in its trajectory's mean."""
+    mm = cfg.mismatch_config()
+    return mm.enabled and mm.geo_scope == "trajectory" and (mm.geo_low is not None or mm.geo_high is not None)
+
+
+def _needs_old_logprobs(s: UpdateSample, cfg: TrainConfig, whole_trajectories: bool) -> bool:
+    """The turns the update forwards for π_old: those it trains on, and with trajectory-scope
+    rejection every turn of the baseline (in KernelGYM PRS and the loss-only masks come after
+    the mismatch check, so their turns count in the trajectory's mean)."""
+    if not s.response_ids or not s.in_baseline:
+        return False
+    return whole_trajectories or (s.train and not _skippable(s, cfg))
 
 
 class _Sums:
@@ -492,118 +538,181 @@ def _global_sum(accelerator, value: float) -> float:
                                     reduction="sum"))
 
 
+def _micro_batches(items: Sequence, size: int, accelerator,
+                   sample: Callable[[Any], UpdateSample] = lambda x: x) -> tuple[list[list], int]:
+    """Length-sorted micro-batches (less padding), and how many every process runs (DDP needs the
+    same number of forward passes on each; a process with fewer runs empty dummy batches)."""
+    ordered = sorted(items, key=lambda x: -(len(sample(x).prompt_ids) + len(sample(x).response_ids)))
+    mbs = [ordered[i:i + size] for i in range(0, len(ordered), size)]
+    return mbs, _global_max(accelerator, len(mbs))
+
+
+def _dummy(pad_id: int) -> UpdateSample:
+    return UpdateSample([int(pad_id)], [int(pad_id)], [0.0], 0.0)
+
+
+def _padded(rows: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """1-D tensors as the rows of a [b, R] tensor shaped like `like` (zeros after each row)."""
+    out = torch.zeros_like(like, dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, :r.numel()] = r
+    return out
+
+
+@torch.no_grad()
+def old_logprobs(model, samples: Sequence[UpdateSample], cfg: TrainConfig, accelerator, ref_model=None,
+                 pad_id: int = 0, sums: _Sums | None = None) -> list[_Checked]:
+    """π_old (the policy before this update) of every sample's response tokens, one no-grad
+    forward per micro-batch (and the initial policy's when beta > 0); logs π_old's entropy."""
+    temperature = logprob_temperature(cfg.generation_config())
+    mbs, n_mb = _micro_batches(samples, cfg.micro_batch_size, accelerator)
+    out: list[_Checked] = []
+    model.train()
+    for k in range(n_mb):
+        real = k < len(mbs)
+        batch = collate(mbs[k] if real else [_dummy(pad_id)], pad_id, accelerator.device)
+        with accelerator.autocast():
+            logp, ent = response_logprobs(model, batch, temperature, cfg.logprob_chunk_size,
+                                          with_entropy=cfg.log_entropy, compiled=cfg.torch_compile)
+            ref = _reference_logprobs(model, ref_model, batch, temperature, cfg.logprob_chunk_size) \
+                if cfg.beta > 0 else None
+        if not real:
+            continue
+        if sums is not None and ent is not None:
+            sums.add("entropy", float(ent[batch.mask].float().mean()), float(batch.mask.sum()))
+        for i, s in enumerate(mbs[k]):
+            r = len(s.response_ids)
+            out.append(_Checked(s, logp[i, :r].float(), None if ref is None else ref[i, :r].float()))
+    return out
+
+
+def correct_mismatch(checked: list[_Checked], cfg: TrainConfig, device, sums: _Sums) -> None:
+    """Rollout-vs-trainer mismatch correction over the whole local batch at once (a trajectory's
+    turns may sit in different micro-batches): sets each turn's `kept` and `is_weight`."""
+    if not checked:
+        return
+    old = torch.nn.utils.rnn.pad_sequence([c.old_logp for c in checked], batch_first=True)
+    rollout_lp = torch.zeros_like(old)
+    mask = torch.zeros_like(old, dtype=torch.bool)
+    for i, c in enumerate(checked):
+        r = c.old_logp.numel()
+        rollout_lp[i, :r] = torch.as_tensor(c.sample.rollout_logprobs, dtype=old.dtype, device=device)
+        mask[i, :r] = True
+    # a turn without a trajectory id is a trajectory of its own (negative ids never collide)
+    trajectory = torch.tensor([c.sample.trajectory if c.sample.trajectory is not None else -1 - i
+                               for i, c in enumerate(checked)], device=device)
+    weights, keep, mm = mismatch_correction(old, rollout_lp, mask, cfg.mismatch_config(), trajectory)
+    for i, c in enumerate(checked):
+        c.is_weight, c.kept = weights[i, :c.old_logp.numel()], bool(keep[i].any())
+    n_tok, n_seq = float(mask.sum()), float(len(checked))
+    for name, weight in (("mismatch_kl", n_tok), ("is_weight_clipped_frac", n_tok),
+                         ("seq_is_weight_clipped_frac", n_seq),
+                         ("is_weight_mean", float((mask & keep).sum()))):
+        sums.add(name, mm[name], weight)
+    for name in ("reject_rate", "geo_reject_rate", "veto_reject_rate"):
+        sums.add("mismatch_" + name, mm[name], n_seq)
+
+
+def ppo_pass(model, trained: Sequence[_Checked], cfg: TrainConfig, accelerator, pad_id: int,
+             sums: _Sums) -> tuple[float, int]:
+    """Backward of the PPO-clip loss over every micro-batch, each scaled by its own count (so that
+    dividing the summed gradients by the global denominator gives the global aggregate).
+    Returns (the summed unnormalised loss, tokens forwarded)."""
+    loss_cfg = cfg.loss_config()
+    temperature = logprob_temperature(cfg.generation_config())
+    mbs, n_mb = _micro_batches(trained, cfg.micro_batch_size, accelerator, lambda c: c.sample)
+    total, tokens = 0.0, 0
+    for k in range(n_mb):
+        real = k < len(mbs)
+        group = mbs[k] if real else []
+        batch = collate([c.sample for c in group] if real else [_dummy(pad_id)], pad_id, accelerator.device)
+        sync = accelerator.no_sync(model) if k < n_mb - 1 else contextlib.nullcontext()
+        with sync, accelerator.autocast():
+            logp, ent = response_logprobs(model, batch, temperature, cfg.logprob_chunk_size,
+                                          with_entropy=loss_cfg.entropy_coef > 0, entropy_grad=True,
+                                          compiled=cfg.torch_compile)
+            mask = batch.mask if real else torch.zeros_like(batch.mask)
+            old = _padded([c.old_logp for c in group], logp) if real else logp.detach()
+            weights = _padded([c.is_weight for c in group], logp) if real else None
+            ref = _padded([c.ref_logp for c in group], logp) if real and cfg.beta > 0 else None
+            loss, m = policy_loss(logp, old, batch.advantages, mask, loss_cfg, ref_logp=ref, is_weights=weights,
+                                  entropy=ent)
+            count = _denominator(mask, loss_cfg.loss_type)
+            accelerator.backward(loss * count)
+        total += float(loss.detach()) * count
+        tokens += int(batch.input_ids.numel()) if real else 0
+        for name in ("clip_frac", "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl", "kl_ref"):
+            if name in m:
+                sums.add(name, m[name], float(mask.sum()))
+    return total, tokens
+
+
+def optimizer_step(model, optimizer, scheduler, cfg: TrainConfig, accelerator, denominator: float) -> float:
+    """Divide the summed gradients by the global denominator, clip, step; return the grad norm."""
+    if denominator > 0:
+        scale = accelerator.num_processes / denominator  # DDP averaged the gradients over processes
+        torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], scale)
+    norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+    if denominator > 0:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    _step_scheduler(scheduler)
+    return float(norm) if norm is not None else float("nan")
+
+
+def _step_scheduler(scheduler) -> None:
+    """The schedule follows steps, also when there was nothing to learn."""
+    if scheduler is not None:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step")
+            scheduler.step()
+
+
+def _loss_denominator(samples: Sequence[UpdateSample], in_loss: Sequence[UpdateSample], cfg: TrainConfig,
+                      accelerator) -> float:
+    """The global denominator: every turn of the rollout batch ("batch": KernelGYM divides by the
+    mini-batch size, tasks x samples x turns, whatever was rejected) or the turns left in the loss."""
+    counted = samples if cfg.loss_denominator == "batch" else in_loss
+    return _global_sum(accelerator, sum(_sample_weight(s, cfg.loss_type) for s in counted))
+
+
 def policy_update(model, optimizer, samples: Sequence[UpdateSample], cfg: TrainConfig, accelerator,
                   scheduler=None, ref_model=None, pad_id: int = 0) -> dict[str, float]:
-    """PPO-clip update on one rollout batch: `cfg.num_iterations` optimizer steps.
+    """PPO-clip update on one rollout batch: π_old log-probs, mismatch correction, then
+    `cfg.num_iterations` times the PPO loss and an optimizer step.
 
-    The loss is exactly the global aggregate over all processes' samples (`cfg.loss_type`): each
-    micro-batch backpropagates its *unnormalised* loss (mean × its denominator), and the summed
-    gradients are divided by the global denominator once, before clipping. π_old is the policy at
-    the start of the update, so the first pass's log-probs (detached) are π_old: no extra forward.
+    The loss is exactly the global aggregate over all processes' samples (`cfg.loss_type`,
+    divided by `cfg.loss_denominator`): each micro-batch backpropagates its unnormalised loss and
+    the summed gradients are divided by the global denominator once, before clipping.
     Returns global metrics (loss, grad_norm, clip fractions, mismatch, entropy, token counts).
     """
-    device = accelerator.device
-    loss_cfg = cfg.loss_config()
-    mm_cfg = cfg.mismatch_config()
-    temperature = logprob_temperature(cfg.generation_config())
-    n_proc = accelerator.num_processes
-
-    # Which samples are forwarded: dropped ones (train=False) leave the loss and its denominator;
-    # with no KL/entropy term a zero-advantage sample adds exactly nothing to the gradient, so it
-    # only counts in the denominator (as if kept by the mismatch check).
-    plain_pg = loss_cfg.beta == 0 and loss_cfg.entropy_coef == 0
-    forward, baseline_weight, n_zero = [], 0.0, 0
-    for s in samples:
-        if not s.train or not len(s.response_ids):
-            continue
-        if cfg.skip_zero_advantage and plain_pg and s.advantage == 0.0:
-            baseline_weight += _sample_weight(s, loss_cfg.loss_type)
-            n_zero += 1
-        else:
-            forward.append(s)
-    forward.sort(key=lambda s: -(len(s.prompt_ids) + len(s.response_ids)))  # less padding per micro-batch
-    mbs = [forward[i:i + cfg.micro_batch_size] for i in range(0, len(forward), cfg.micro_batch_size)]
-    n_mb = _global_max(accelerator, len(mbs))  # every rank runs as many backward passes (DDP)
-    dummy = [UpdateSample([int(pad_id)], [int(pad_id)], [0.0], 0.0, train=False)]
-
     sums = _Sums()
-    stored: list[tuple] = []  # per micro-batch: old_logp, is-weights, keep mask, ref_logp
-    metrics: dict[str, float] = {}
-    tokens = 0
-    losses, grad_norms = [], []
-    model.train()
+    whole = _trajectory_check(cfg)
+    checked = old_logprobs(model, [s for s in samples if _needs_old_logprobs(s, cfg, whole)], cfg, accelerator,
+                           ref_model, pad_id, sums)
+    correct_mismatch(checked, cfg, accelerator.device, sums)
+    rejected = {id(c.sample) for c in checked if not c.kept}
+    in_loss = [s for s in samples if s.train and s.in_baseline and s.response_ids and id(s) not in rejected]
+    trained = [c for c in checked if c.kept and c.sample.train and not _skippable(c.sample, cfg)]
+    denominator = _loss_denominator(samples, in_loss, cfg, accelerator)
+    has_batches = _global_max(accelerator, len(trained)) > 0
+    losses, grad_norms, tokens = [], [], 0
     for it in range(cfg.num_iterations):
-        local_weight = baseline_weight
-        local_loss = 0.0
-        for k in range(n_mb):
-            batch = collate(mbs[k] if k < len(mbs) else dummy, pad_id, device)
-            tokens += int(batch.input_ids.numel()) if k < len(mbs) else 0
-            need_ent = loss_cfg.entropy_coef > 0 or (it == 0 and cfg.log_entropy)
-            sync = accelerator.no_sync(model) if k < n_mb - 1 else contextlib.nullcontext()
-            with sync, accelerator.autocast():
-                logp, ent = response_logprobs(model, batch, temperature, cfg.logprob_chunk_size,
-                                              with_entropy=need_ent, entropy_grad=loss_cfg.entropy_coef > 0,
-                                              compiled=cfg.torch_compile)
-                valid = batch.mask & batch.train[:, None]
-                if it == 0:
-                    old = logp.detach()
-                    weights, keep, mm = mismatch_correction(old, batch.rollout_logp, valid, mm_cfg)
-                    ref = None
-                    if loss_cfg.beta > 0:
-                        ref = _reference_logprobs(model, ref_model, batch, temperature, cfg.logprob_chunk_size)
-                    if cfg.num_iterations > 1:
-                        stored.append((old, weights, keep, ref))
-                    # mismatch metrics, weighted like mismatch_correction's own denominators
-                    n_tok, n_seq = float(valid.sum()), float((valid.sum(-1) > 0).sum())
-                    for name, weight in (("mismatch_kl", n_tok), ("is_weight_clipped_frac", n_tok),
-                                         ("seq_is_weight_clipped_frac", n_seq),
-                                         ("is_weight_mean", float((valid & keep).sum()))):
-                        sums.add(name, mm[name], weight)
-                    for name in ("reject_rate", "geo_reject_rate", "veto_reject_rate"):
-                        sums.add("mismatch_" + name, mm[name], n_seq)
-                else:
-                    old, weights, keep, ref = stored[k]
-                loss_mask = valid & keep
-                loss, m = policy_loss(logp, old, batch.advantages, loss_mask, loss_cfg, ref_logp=ref,
-                                      is_weights=weights, entropy=ent)
-                count = _denominator(loss_mask, loss_cfg.loss_type)
-                accelerator.backward(loss * count)
-            local_weight += count
-            local_loss += float(loss.detach()) * count
-            n_valid = float(loss_mask.sum())
-            for name in ("clip_frac", "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl",
-                         "kl_ref", "entropy"):
-                if name in m and not (name == "entropy" and it > 0):
-                    sums.add(name, m[name], n_valid)
-        total = _global_sum(accelerator, local_weight)
-        if n_mb == 0:
-            losses.append(0.0)
-            grad_norms.append(0.0)
+        total, n_tok = ppo_pass(model, trained, cfg, accelerator, pad_id, sums) if has_batches else (0.0, 0)
+        tokens += n_tok
+        if has_batches:
+            grad_norms.append(optimizer_step(model, optimizer, scheduler, cfg, accelerator, denominator))
         else:
-            if total > 0:
-                scale = n_proc / total  # DDP averaged the gradients over processes
-                torch._foreach_mul_([p.grad for p in model.parameters() if p.grad is not None], scale)
-            norm = accelerator.clip_grad_norm_(
-                model.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-            grad_norms.append(float(norm) if norm is not None else float("nan"))
-            if total > 0:
-                optimizer.step()
-            losses.append(_global_sum(accelerator, local_loss) / total if total > 0 else 0.0)
-        if scheduler is not None:  # the schedule follows steps, also when there was nothing to learn
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*lr_scheduler.step.*before.*optimizer.step")
-                scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-    metrics.update(sums.result(accelerator))
-    metrics.update({
-        "loss": float(sum(losses) / len(losses)),
-        "loss_first_iteration": float(losses[0]) if losses else 0.0,
-        "grad_norm": float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0,
-        "update_samples": _global_sum(accelerator, len(forward)),
-        "update_skipped_zero_adv": _global_sum(accelerator, n_zero),
-        "update_tokens": _global_sum(accelerator, tokens),
-    })
-    return metrics
+            grad_norms.append(0.0)
+            _step_scheduler(scheduler)
+        losses.append(_global_sum(accelerator, total) / denominator if denominator > 0 else 0.0)
+    return {**sums.result(accelerator),
+            "loss": float(sum(losses) / len(losses)),
+            "loss_first_iteration": float(losses[0]) if losses else 0.0,
+            "grad_norm": float(sum(grad_norms) / len(grad_norms)) if grad_norms else 0.0,
+            "update_samples": _global_sum(accelerator, len(trained)),
+            "update_skipped_zero_adv": _global_sum(accelerator, sum(1 for s in in_loss if _skippable(s, cfg))),
+            "update_tokens": _global_sum(accelerator, tokens)}
 
 
 @torch.no_grad()
@@ -618,18 +727,6 @@ def _reference_logprobs(model, ref_model, batch: MicroBatch, temperature: float,
             lp, _ = response_logprobs(inner, batch, temperature, chunk_size)
         return lp
     raise ValueError("beta > 0 needs a reference model (or a LoRA model)")
-
-
-def make_optimizer(model, cfg: RunConfig, device) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; the fused CUDA kernel on a GPU (one launch per step)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ConfigError("the model has no trainable parameters")
-    fused = {"fused": True} if torch.device(device).type == "cuda" else {}
-    return torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             weight_decay=cfg.weight_decay, **fused)
-
-
 def disable_dropout(model) -> None:
     """Dropout off everywhere, so train-mode forwards give the same log-probs as sampling did."""
     for m in model.modules():
@@ -640,27 +737,84 @@ def disable_dropout(model) -> None:
 
 
 # ======================================================================================
-# The trainer
+# Which turns enter the baseline and the loss
 # ======================================================================================
 
-EvaluateFn = Callable[[list[tuple[Task, str]]], list[dict]]
+@dataclasses.dataclass
+class TurnFlags:
+    """The trainer's decisions about one turn."""
 
+    void: bool  # KernelGYM's void turn: reward <= 0 after a turn of its trajectory with reward > 0
+    failed_trajectory: bool  # its trajectory met an evaluator failure
+    prs_keep: bool  # kept by profiling-based rejection sampling
+    masked: bool  # an outcome mask: truncated, a chosen verdict, an evaluator failure
+    in_baseline: bool  # counts in its group's leave-one-out baseline
+    in_loss: bool  # trained on (before the mismatch correction)
+
+
+def void_turns(rewards: Sequence[float]) -> list[bool]:
+    """After a turn with reward > 0, every later turn with reward <= 0 is void."""
+    out, best = [], -math.inf
+    for r in rewards:
+        out.append(best > 0 and r <= 0)
+        best = max(best, r)
+    return out
+
+
+def turn_flags(traj: Sequence[TurnSample], cfg: TrainConfig, rng: random.Random) -> list[TurnFlags]:
+    """Baseline and loss membership of each turn of one trajectory.
+
+    Void turns (`mask_void_turn`) and every turn of a trajectory with an evaluator failure
+    (`drop_failed_trajectories`) leave both; PRS and the outcome masks leave only the loss, so
+    those turns still count in their group's baseline."""
+    rcfg, verdicts = cfg.reward_config(), {v.strip() for v in cfg.mask_verdicts.split(",") if v.strip()}
+    failed = any(isinstance(s.result, EvaluatorFailure) for s in traj)
+    void = void_turns([s.reward for s in traj]) if cfg.mask_void_turn else [False] * len(traj)
+    out = []
+    for s, v in zip(traj, void):
+        keep = prs_keep(s.result, rcfg, rng)
+        masked = isinstance(s.result, EvaluatorFailure) or (cfg.mask_truncated and not s.finished) \
+            or s.result.verdict in verdicts
+        in_baseline = not v and not (failed and cfg.drop_failed_trajectories)
+        out.append(TurnFlags(v, failed, keep, masked, in_baseline, in_baseline and keep and not masked))
+    return out
+
+
+def update_samples(trajectories: Sequence[Sequence[TurnSample]], cfg: TrainConfig,
+                   rng: random.Random) -> tuple[list[UpdateSample], list[TurnFlags]]:
+    """Every turn (trajectory-major) as an UpdateSample, with advantages over the turns of the
+    baseline, and the flags behind it; `rng` draws the PRS coin flips."""
+    flags = [f for traj in trajectories for f in turn_flags(traj, cfg, rng)]
+    batch = to_training_batch(trajectories)
+    baseline = torch.zeros_like(batch.turn_mask)
+    for (b, t), f in zip(batch.index, flags):
+        baseline[b, t] = f.in_baseline
+    adv = compute_advantages(batch.rewards, batch.turn_mask & baseline, batch.group_ids, cfg.estimator, cfg.gamma,
+                             cfg.scale_rewards)
+    samples = [UpdateSample(s.prompt_ids, s.response_ids, s.rollout_logprobs, float(adv[b, t]), train=f.in_loss,
+                            trajectory=s.traj_id, in_baseline=f.in_baseline)
+               for s, (b, t), f in zip(batch.samples, batch.index, flags)]
+    return samples, flags
+
+
+# ======================================================================================
+# The trainer
+# ======================================================================================
 
 class Trainer:
     """Owns the model, optimizer, evaluator, sampler and logs; `train()` runs `max_steps` steps.
 
     Everything the environment does can be injected:
-    - `evaluate_fn(list[(Task, code)]) -> list[result dict]` (default: the sandboxed Evaluator);
-    - `reward_fn(result) -> float` (default: `rewards.compute_reward` with the config's weights);
-    - `prs_fn(result) -> bool | keep-probability` (default: `rewards.prs_keep_prob`, when `prs`);
+    - `evaluate_fn(list[(Task, code)]) -> list[EvalResult]` (default: the sandboxed Evaluator,
+      which scores each result with this run's `RewardConfig`; results without a reward are
+      scored with the same config by `rewards.score`);
     - `sample_reward_fn(TurnSample) -> float`: overrides each turn's reward after the rollout
       (scripted environments that score the response text, reward models);
     - `generator(model, tokenizer, prompt_ids, GenerationConfig) -> list[GenOutput]`.
     """
 
     def __init__(self, cfg: TrainConfig, model=None, tokenizer=None, tasks: Sequence[Task] | None = None,
-                 evaluate_fn: EvaluateFn | None = None, reward_fn: Callable[[dict], float] | None = None,
-                 prs_fn: Callable[[dict], Any] | None = None,
+                 evaluate_fn: EvaluateFn | None = None,
                  sample_reward_fn: Callable[[TurnSample], float] | None = None,
                  generator: Callable[..., list[GenOutput]] | None = None):
         from drkernel import runtime
@@ -711,20 +865,13 @@ class Trainer:
 
         self.evaluate_fn = evaluate_fn
         self._evaluator = None
-        rcfg = cfg.reward_config()
-        if reward_fn is None:
-            from drkernel.rewards import compute_reward
-
-            reward_fn = lambda result: float(compute_reward(result, rcfg).reward)  # noqa: E731
-        if prs_fn is None and cfg.prs:
-            from drkernel.rewards import is_correct, prs_keep_prob
-
-            prs_fn = lambda r: prs_keep_prob(r.get("triton_time_share"), rcfg) if is_correct(r) else True  # noqa: E731
-        self.reward_fn, self.prs_fn, self.sample_reward_fn = reward_fn, prs_fn, sample_reward_fn
+        self.sample_reward_fn = sample_reward_fn
         if generator is None:
             from drkernel.generation import generate as generator
         self.generator = generator
-        self.mask_verdicts = {v.strip() for v in cfg.mask_verdicts.split(",") if v.strip()}
+        if evaluate_fn is None and cfg.prs and cfg.prs_missing_profile == "reject" and self._eval_device() == "cpu":
+            self._print("PRS on CPU: no turn has a profile, so every correct turn leaves the loss "
+                        "(--prs_missing_profile keep keeps them)")
 
         self.step = 0
         self.logger = runtime.MetricsLogger(self.acc, cfg.output_dir)
@@ -737,9 +884,7 @@ class Trainer:
 
     # ---------------------------------------------------------------- setup helpers
     def _load_tasks(self) -> list[Task]:
-        from drkernel.tasks import load_tasks
-
-        tasks = load_tasks(self.cfg.tasks, self.cfg.level_list(), self.cfg.problem_id_list() or None)
+        tasks = self.cfg.load_tasks()
         if not tasks:
             raise ConfigError(f"no tasks found for --tasks {self.cfg.tasks} --levels {self.cfg.levels} "
                               f"--problem_ids {self.cfg.problem_ids or 'all'}")
@@ -749,26 +894,26 @@ class Trainer:
         if self.acc.is_main_process:
             print(f"[drkernel.trainer] {msg}", file=sys.stderr, flush=True)
 
-    def _evaluate(self, pairs: list[tuple[Task, str]]) -> list[dict]:
-        """The evaluator, created on first use; an infrastructure failure becomes masked results."""
+    def _eval_device(self) -> str:
+        if self.cfg.eval_device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.cfg.eval_device
+
+    def _evaluate(self, pairs: list[tuple[Task, str]]) -> list[EvalResult]:
+        """The environment's results; the evaluator's own failure becomes `EvaluatorFailure`s."""
         try:
             if self.evaluate_fn is not None:
                 return list(self.evaluate_fn(pairs))
             if self._evaluator is None:
-                from drkernel.evaluator import EvalConfig, Evaluator
+                from drkernel.evaluator import Evaluator
 
-                device = self.cfg.eval_device
-                if device == "auto":
-                    device = "cuda" if torch.cuda.is_available() else "cpu"
-                ecfg = EvalConfig(device=device, trials=self.cfg.eval_trials,
-                                  perf_trials=self.cfg.eval_perf_trials, timeout=self.cfg.eval_timeout)
-                self._evaluator = Evaluator(ecfg, workers=self.cfg.eval_workers or None)
-            return [r.to_dict() for r in self._evaluator.evaluate_many([(t.code, code) for t, code in pairs])]
+                self._evaluator = Evaluator(self.cfg.eval_config(self._eval_device()),
+                                            workers=self.cfg.eval_workers or None,
+                                            reward_config=self.cfg.reward_config())
+            return self._evaluator.evaluate_many([(t.code, code) for t, code in pairs])
         except Exception as exc:  # the evaluator's own failure is not the policy's fault
             self._print(f"evaluator failure ({type(exc).__name__}: {exc}); these turns leave the loss")
-            return [{"verdict": "crashed", "compiled": False, "correct": False, "speedup": None, "hacks": [],
-                     "error": f"evaluator failure: {type(exc).__name__}: {exc}", "infra_error": True}
-                    for _ in pairs]
+            return [EvaluatorFailure(error=f"evaluator failure: {type(exc).__name__}: {exc}") for _ in pairs]
 
     def close(self) -> None:
         if self._evaluator is not None:
@@ -777,106 +922,89 @@ class Trainer:
         self.logger.close()
 
     # ---------------------------------------------------------------- one step
-    def _masked(self, s: TurnSample) -> bool:
-        """Outcome masks: the turn stays in its group's baseline but leaves the loss."""
-        return bool(s.result.get("infra_error")) or (self.cfg.mask_truncated and not s.finished) \
-            or s.result.get("verdict") in self.mask_verdicts
-
     def train_step(self) -> dict[str, Any]:
         """Run step `self.step + 1`; return its metrics (the same on every process)."""
-        cfg, acc = self.cfg, self.acc
         step = self.step + 1
         t_step = time.perf_counter()
-        picked = self.sampler.next(cfg.tasks_per_step)
-        local_tasks = [self.tasks[i] for i in picked[self.rank::self.world]]
-        seed = step_seed(cfg.seed, step, self.rank)
-        times = {"generate_s": 0.0, "evaluate_s": 0.0}
-        n_evaluated = [0]
-
-        def timed_generate(model, tokenizer, prompts, gcfg):
-            # the sampling seed of each turn comes from rollout.turn_seed(step seed, turn)
-            t0 = time.perf_counter()
-            try:
-                return self.generator(model, tokenizer, prompts, gcfg)
-            finally:
-                times["generate_s"] += time.perf_counter() - t0
-
-        def timed_evaluate(pairs):
-            t0 = time.perf_counter()
-            try:
-                n_evaluated[0] += len(pairs)
-                return self._evaluate(pairs)
-            finally:
-                times["evaluate_s"] += time.perf_counter() - t0
-
-        # 1-3. rollout with evaluation, rewards and PRS (sampling: the unwrapped model, eval mode, KV cache)
+        picked = self.sampler.next(self.cfg.tasks_per_step)
+        seed = step_seed(self.cfg.seed, step, self.rank)
+        trajectories, times = self._rollout([self.tasks[i] for i in picked[self.rank::self.world]], seed)
+        samples, rows = self._update_samples(trajectories, step, seed)
         t0 = time.perf_counter()
-        policy = acc.unwrap_model(self.model)
-        with _generation_mode(policy):
-            trajectories = rollout(policy, self.tokenizer, local_tasks, timed_evaluate, cfg.rollout_config(seed),
-                                   reward_fn=self.reward_fn, prs_fn=self.prs_fn, generator=timed_generate)
-        if self.sample_reward_fn is not None:
-            for traj in trajectories:
-                for s in traj:
-                    s.reward = float(self.sample_reward_fn(s))
-        rollout_s = time.perf_counter() - t0
-
-        # 4. advantages over every turn, then drop PRS-rejected / masked turns from the loss only
-        batch = to_training_batch(trajectories)
-        adv = compute_advantages(batch["rewards"], batch["turn_mask"], batch["group_ids"],
-                                 cfg.estimator, cfg.gamma, cfg.scale_rewards)
-        samples: list[UpdateSample] = []
-        info: list[dict] = []
-        for s, (b, t) in zip(batch["samples"], batch["index"]):
-            masked = self._masked(s)
-            train = bool(s.prs_keep) and not masked
-            a = float(adv[b, t])
-            samples.append(UpdateSample(s.prompt_ids, s.response_ids, s.rollout_logprobs, a, train))
-            info.append(self._dump_row(step, s, a, train, masked))
-
-        # 5. update
-        t0 = time.perf_counter()
-        upd = policy_update(self.model, self.optimizer, samples, cfg, acc, self.scheduler, self.ref_model,
+        upd = policy_update(self.model, self.optimizer, samples, self.cfg, self.acc, self.scheduler, self.ref_model,
                             self.pad_id)
-        update_s = time.perf_counter() - t0
+        times["update_s"] = time.perf_counter() - t0
         self.step = step
+        metrics = self._gather_metrics(trajectories, rows, times, upd)
+        metrics["step_s"] = time.perf_counter() - t_step
+        metrics["tokens_per_s"] = metrics["gen_tokens"] / max(metrics["step_s"], 1e-9)
+        if self.acc.device.type == "cuda":
+            metrics["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.acc.device) / 2**30
+        self._last_rows = rows
+        return metrics
 
-        # 6. metrics over all processes
+    def _rollout(self, tasks: list[Task], seed: int) -> tuple[list[list[TurnSample]], dict[str, float]]:
+        """Trajectories of this process's tasks (sampled by the unwrapped model in eval mode with
+        its KV cache; each turn's seed comes from `rollout.turn_seed`), and the phases' seconds."""
+        times = {"generate_s": 0.0, "evaluate_s": 0.0, "n_evaluated": 0}
+
+        def timed(key: str, fn: Callable) -> Callable:
+            def run(*args):
+                t0 = time.perf_counter()
+                try:
+                    return fn(*args)
+                finally:
+                    times[key] += time.perf_counter() - t0
+            return run
+
+        def evaluate(pairs):
+            times["n_evaluated"] += len(pairs)
+            return self._evaluate(pairs)
+
+        t0 = time.perf_counter()
+        policy = self.acc.unwrap_model(self.model)
+        with _generation_mode(policy):
+            trajectories = rollout(policy, self.tokenizer, tasks, timed("evaluate_s", evaluate),
+                                   self.cfg.rollout_config(seed), generator=timed("generate_s", self.generator))
+        if self.sample_reward_fn is not None:
+            for s in (s for traj in trajectories for s in traj):
+                s.reward = float(self.sample_reward_fn(s))
+        times["rollout_s"] = time.perf_counter() - t0
+        return trajectories, times
+
+    def _update_samples(self, trajectories: list[list[TurnSample]], step: int,
+                        seed: int) -> tuple[list[UpdateSample], list[dict]]:
+        """Every turn as an UpdateSample and as a dump row."""
+        samples, flags = update_samples(trajectories, self.cfg, random.Random(seed))
+        turns = [s for traj in trajectories for s in traj]
+        return samples, [self._dump_row(step, t, u.advantage, f) for t, u, f in zip(turns, samples, flags)]
+
+    def _dump_row(self, step: int, s: TurnSample, advantage: float, f: TurnFlags) -> dict:
+        r = s.result
+        row = {"step": step, "rank": self.rank, "task": s.task_key, "group": s.group_id, "traj": s.traj_id,
+               "turn": s.turn, "reward": s.reward, "advantage": advantage, "void": f.void,
+               "failed_trajectory": f.failed_trajectory, "prs_keep": f.prs_keep, "masked": f.masked,
+               "in_baseline": f.in_baseline, "in_loss": f.in_loss, "finished": s.finished,
+               "response_tokens": len(s.response_ids), "verdict": r.verdict, "correct": bool(r.correct),
+               "speedup": r.speedup, "triton_time_share": r.triton_time_share,
+               "error": str(r.error)[:500] if r.error else None,
+               "response": s.response_text, "code": s.code}
+        if self.cfg.dump_prompts:
+            row["prompt"] = self.tokenizer.decode(s.prompt_ids)
+        return row
+
+    def _gather_metrics(self, trajectories: list[list[TurnSample]], rows: list[dict], times: dict,
+                        upd: dict) -> dict:
+        """The step's metrics over all processes (rollout statistics from light copies of the turns)."""
         from accelerate.utils import gather_object
 
         light = [dataclasses.replace(s, prompt_ids=[], rollout_logprobs=[], response_text="", code=None,
                                      messages=None, result=_light_result(s.result))
                  for traj in trajectories for s in traj]
-        rows = info
-        local = {"generate_s": times["generate_s"], "evaluate_s": times["evaluate_s"], "rollout_s": rollout_s,
-                 "update_s": update_s, "n_evaluated": n_evaluated[0],
-                 "gen_tokens": sum(len(s.response_ids) for s in light)}
+        local = {**times, "gen_tokens": sum(len(s.response_ids) for s in light)}
         if self.world > 1:
-            light = gather_object(light)
-            rows = gather_object(rows)
-            per_rank = gather_object([local])
-        else:
-            per_rank = [local]
-        metrics = self._metrics(light, rows, per_rank, upd)
-        metrics["step_s"] = time.perf_counter() - t_step
-        metrics["tokens_per_s"] = metrics["gen_tokens"] / max(metrics["step_s"], 1e-9)
-        if acc.device.type == "cuda":
-            metrics["peak_mem_gib"] = torch.cuda.max_memory_allocated(acc.device) / 2**30
-        self._last_rows = rows
-        return metrics
-
-    def _dump_row(self, step: int, s: TurnSample, advantage: float, train: bool, masked: bool) -> dict:
-        r = s.result
-        row = {"step": step, "rank": self.rank, "task": s.task_key, "group": s.group_id, "traj": s.traj_id,
-               "turn": s.turn, "reward": s.reward, "advantage": advantage, "prs_keep": s.prs_keep,
-               "masked": masked, "in_loss": train, "finished": s.finished,
-               "response_tokens": len(s.response_ids), "verdict": r.get("verdict"), "correct": bool(r.get("correct")),
-               "speedup": r.get("speedup"), "triton_time_share": r.get("triton_time_share"),
-               "error": (str(r.get("error"))[:500] if r.get("error") else None),
-               "response": s.response_text, "code": s.code}
-        if self.cfg.dump_prompts:
-            row["prompt"] = self.tokenizer.decode(s.prompt_ids)
-        return row
+            return self._metrics(gather_object(light), gather_object(rows), gather_object([local]), upd)
+        return self._metrics(light, rows, [local], upd)
 
     def _metrics(self, light: list[TurnSample], rows: list[dict], per_rank: list[dict], upd: dict) -> dict:
         stats = rollout_stats([[s] for s in light])
@@ -892,6 +1020,8 @@ class Trainer:
             "advantage_abs_mean": sum(abs(r["advantage"]) for r in rows) / n,
             "prs_reject_rate": sum(1 for r in rows if not r["prs_keep"]) / n,
             "outcome_mask_rate": sum(1 for r in rows if r["masked"]) / n,
+            "void_turn_rate": sum(1 for r in rows if r["void"]) / n,
+            "baseline_drop_rate": sum(1 for r in rows if not r["in_baseline"]) / n,
             "in_loss_rate": sum(1 for r in rows if r["in_loss"]) / n,
             "truncated_rate": sum(1 for r in rows if not r["finished"]) / n,
             "lr": float(self.scheduler.get_last_lr()[0]),
@@ -991,9 +1121,10 @@ def _generation_mode(model):
         model.train(was_training)
 
 
-def _light_result(result: dict) -> dict:
-    keys = ("verdict", "correct", "speedup", "triton_time_share")
-    return {k: result.get(k) for k in keys}
+def _light_result(result: EvalResult) -> EvalResult:
+    """What the step's statistics read from a result (gathered over processes)."""
+    return EvalResult(verdict=result.verdict, correct=result.correct, speedup=result.speedup, hacks=result.hacks,
+                      triton_time_share=result.triton_time_share)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

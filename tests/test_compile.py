@@ -99,7 +99,8 @@ def test_inductor_compiled_update_matches_eager(scalar_cpp):
     eager = _update(eager_model, samples, _cfg())
     g0 = _graphs()
     compiled = _update(compiled_model, samples, _cfg(torch_compile=True))
-    assert _graphs() - g0 == 2  # one graph for both layers, one for the log-prob head
+    # one graph for both layers and one for the log-prob head, in the no-grad π_old pass and in the loss pass
+    assert _graphs() - g0 == 4
     _assert_same_update(eager, compiled)
 
 
@@ -147,7 +148,8 @@ def test_one_compiled_graph_serves_every_layer_and_fresh_models(aot_eager):
     compile_decoder_layers(first)
     g0 = _graphs()
     _update(first, samples, _cfg(torch_compile=True))
-    assert _graphs() - g0 == 2  # the three layers share one graph; the head has the other
+    # the three layers share one graph, the head has another; each once without grad (π_old) and once with
+    assert _graphs() - g0 == 4
     second = tiny_random_model(layers=3, seed=4)
     compile_decoder_layers(second)
     with torch._dynamo.config.patch(error_on_recompile=True):
@@ -257,7 +259,7 @@ def test_update_bench_compile_variants_on_cpu(tmp_path, scalar_cpp):
     variants = "compile=1,mb=2,ckpt=0,chunk=0;compile=1,chead=0,mb=2,ckpt=0,chunk=16;mb=2,ckpt=1,chunk=16"
     g0 = _graphs()
     assert bench.main(["--tiny", "--out", str(out), "--variants", variants]) == 0
-    assert _graphs() - g0 == 2
+    assert _graphs() - g0 == 4  # layers and head, each for the no-grad π_old pass and the loss pass
     data = json.loads(out.read_text())
     rows = {r["variant"]: r for r in data["results"]}
     assert list(rows) == ["compile=1,mb=2,ckpt=0,chunk=0", "compile=1,chead=0,mb=2,ckpt=0,chunk=16",

@@ -1,6 +1,7 @@
 """generate.py: tiny-model CLI runs, resume after a kill, the API policy against a local server,
 STTS end to end with the real evaluator, and evaluate.py reading the output."""
 
+import dataclasses
 import json
 import sys
 import threading
@@ -16,6 +17,7 @@ if str(ROOT) not in sys.path:
 import evaluate  # noqa: E402
 import generate  # noqa: E402
 from drkernel import api_policy, layouts  # noqa: E402
+from drkernel.evaluator import EvalResult  # noqa: E402
 from drkernel.generation import GenerationConfig  # noqa: E402
 from drkernel.prompts import extract_code, feedback_message, first_turn_messages  # noqa: E402
 from drkernel.tasks import bundled_solution, load_bundled  # noqa: E402
@@ -35,9 +37,8 @@ class FakeEvaluator:
         self.pairs.extend(pairs)
         for ref, code in pairs:
             assert Path(ref).is_file() and "class Model" in Path(ref).read_text() and "ModelNew" in code
-        return [{"verdict": "correct", "compiled": True, "correct": True, "speedup": 1.5, "ref_ms": 1.5,
-                 "candidate_ms": 1.0, "hacks": [], "error": None, "triton_time_share": 0.9, "kernels": [],
-                 "stdout": "noise"} for _ in pairs]
+        return [EvalResult(verdict="correct", compiled=True, correct=True, speedup=1.5, ref_ms=1.5, candidate_ms=1.0,
+                           triton_time_share=0.9, kernels=[], stdout="noise") for _ in pairs]
 
     def close(self):
         self.closed = True
@@ -223,7 +224,7 @@ def test_api_policy_cli_runs_the_training_loop(tmp_path, server, fake_eval, monk
     for r in second:  # the same history and feedback as training
         msgs = r["body"]["messages"]
         assert msgs[:2] == first_turn_messages(task) and msgs[2] == {"role": "assistant", "content": CODE_REPLY}
-        assert msgs[3] == {"role": "user", "content": feedback_message(fake_result, 1)}
+        assert msgs[3] == {"role": "user", "content": feedback_message(fake_result.to_dict(), 1)}
 
     rows = sorted(_rows(out), key=lambda r: (r["sample"], r["turn"]))
     assert [(r["sample"], r["turn"], r["verdict"]) for r in rows] == [
@@ -299,51 +300,83 @@ class ScriptedPolicy:
         return api_policy.Completion(self.replies.pop(0), True)
 
 
+def _scripted_policy(scripted):
+    codec = api_policy.MessageCodec()
+    return generate.Policy("scripted", None, codec, api_policy.ChatGenerator(scripted, 1, codec),
+                           api_policy.prompt_budget(8000), counts_tokens=False)
+
+
 def test_stts_end_to_end_with_real_evaluator(tmp_path):
     from drkernel.evaluator import EvalConfig, Evaluator
 
     task = load_bundled([1])[0]
     good = "Here it is.\n```python\n" + bundled_solution(task).read_text() + "```\n"
     broken = "Try this.\n```python\nclass ModelNew(:\n    pass\n```\n"  # a syntax error
-    cfg = generate.GenerateConfig(output=str(tmp_path / "stts.jsonl"), samples_per_task=1, num_turns=2,
+    # 2 rounds of 3 turns with a 1-turn window: round 1 keeps one turn and adds 3 - 1 = 2
+    cfg = generate.GenerateConfig(output=str(tmp_path / "stts.jsonl"), samples_per_task=1, num_turns=3,
                                   stts_iterations=2, stts_window=1, device="cpu")
-    codec = api_policy.MessageCodec()
-
-    def policy_of(scripted):
-        return generate.Policy("scripted", None, codec, api_policy.ChatGenerator(scripted, 1, codec),
-                               api_policy.prompt_budget(8000), counts_tokens=False)
-
-    # round 0: correct, then broken; round 1 (from the best 1-turn window = the correct turn 0):
-    # no code, then correct again
-    scripted = ScriptedPolicy([good, broken, "I am not sure.", good])
+    # round 0: correct, broken, no code; round 1 (from the best 1-turn window = the correct
+    # turn 0): no code, then correct again
+    scripted = ScriptedPolicy([good, broken, "No code.", "I am not sure.", good])
     ref_dir = tmp_path / "refs"
     with Evaluator(EvalConfig(device="cpu", trials=1, perf_trials=2, timeout=120)) as ev:
-        summary = generate.run(cfg, [task], policy_of(scripted), generate.make_evaluate_fn(ev, ref_dir))
+        summary = generate.run(cfg, [task], _scripted_policy(scripted), generate.make_evaluate_fn(ev, ref_dir))
         rows = _rows(cfg.output)
         assert [(r["turn"], r["iteration"], r["iter_turn"], r["verdict"]) for r in rows] == [
-            (0, 0, 0, "correct"), (1, 0, 1, "compile_error"), (2, 1, 0, "format_error"), (3, 1, 1, "correct")]
-        assert rows[0]["reward"] > 0 and rows[1]["reward"] == 0 == rows[2]["reward"]
+            (0, 0, 0, "correct"), (1, 0, 1, "compile_error"), (2, 0, 2, "format_error"),
+            (3, 1, 0, "format_error"), (4, 1, 1, "correct")]
+        assert rows[0]["reward"] > 0 and rows[1]["reward"] == 0 == rows[3]["reward"]
         assert rows[0]["code"] == extract_code(good) and rows[0]["speedup"] > 0
 
-        # round 1 starts from the task plus the best window (turn 0, not the latest turn 1)
-        start = scripted.seen[2]
+        # round 1 starts from the task plus the best window (turn 0, not the latest turn 2)
+        start = scripted.seen[3]
         assert start[:2] == first_turn_messages(task) and len(start) == 4
         assert start[2] == {"role": "assistant", "content": good}
         assert start[3]["content"] == feedback_message(rows[0], 1) and "verdict: correct" in start[3]["content"]
         # and continues as an ordinary conversation: its next feedback is numbered turn 2
-        assert len(scripted.seen[3]) == 6 and scripted.seen[3][5]["content"].startswith("Evaluation of your answer (turn 2)")
+        assert len(scripted.seen[4]) == 6 and scripted.seen[4][5]["content"].startswith("Evaluation of your answer (turn 2)")
 
         r0, r1 = summary["stts"]
         assert r0["last_turn"]["correct_rate"] == 0.0 and r0["best"]["correct_rate"] == 1.0
         assert r1["last_turn"]["correct_rate"] == 1.0 and r1["best_so_far"]["correct_rate"] == 1.0
-        assert summary["num_turns"] == 4 and summary["correct_rate"] == 1.0
-        assert summary["per_turn"][2]["correct_rate"] == 0.0
+        assert summary["num_turns"] == 5 and summary["correct_rate"] == 1.0
+        assert summary["per_turn"][3]["correct_rate"] == 0.0
 
         # killed during round 1: its context is rebuilt from the saved round-0 rows
         lines = _lines(cfg.output)
-        Path(cfg.output).write_text("\n".join(lines[:3]) + "\n" + lines[3][:40])
+        Path(cfg.output).write_text("\n".join(lines[:4]) + "\n" + lines[4][:40])
         again = ScriptedPolicy(["no code here", good])
-        generate.run(cfg, [task], policy_of(again), generate.make_evaluate_fn(ev, ref_dir))
-        assert len(again.seen) == 2 and again.seen[0] == scripted.seen[2]
-        assert _lines(cfg.output)[:2] == lines[:2] and len(_lines(cfg.output)) == 4
-        assert [r["verdict"] for r in _rows(cfg.output)] == ["correct", "compile_error", "format_error", "correct"]
+        generate.run(cfg, [task], _scripted_policy(again), generate.make_evaluate_fn(ev, ref_dir))
+        assert len(again.seen) == 2 and again.seen[0] == scripted.seen[3]
+        assert _lines(cfg.output)[:3] == lines[:3] and len(_lines(cfg.output)) == 5
+        assert [r["verdict"] for r in _rows(cfg.output)] == ["correct", "compile_error", "format_error",
+                                                            "format_error", "correct"]
+        # another STTS turn budget would renumber the turns: refused
+        with pytest.raises(SystemExit, match="stts_window"):
+            generate.run(dataclasses.replace(cfg, stts_window_counts=False), [task], _scripted_policy(again),
+                         generate.make_evaluate_fn(ev, ref_dir))
+
+
+class CountingPolicy:
+    """Always answers with code; records how many earlier answers each request carried."""
+
+    def __init__(self):
+        self.earlier = []
+
+    def complete(self, messages, cfg, seed=None):
+        self.earlier.append(sum(m["role"] == "assistant" for m in messages))
+        return api_policy.Completion(CODE_REPLY, True)
+
+
+@pytest.mark.parametrize("extra, requests, most_earlier", [
+    ([], 14, 4),  # KernelGYM: the window counts toward the 5 turns: 5 + 9 x 1 turns, contexts of <= 5 turns
+    (["--stts_window_counts", "false"], 50, 8),  # every round adds 5 turns to a 4-turn window
+])
+def test_paper_stts_asks_for_14_turns_and_never_more_than_4_earlier_ones(tmp_path, fake_eval, monkeypatch,
+                                                                       extra, requests, most_earlier):
+    policy = CountingPolicy()
+    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: _scripted_policy(policy))
+    summary = generate.main(["--stts_iterations", "10", "--num_turns", "5", "--stts_window", "4", "--problem_ids", "1",
+                             "--device", "cpu", "--output", str(tmp_path / "stts.jsonl"), *extra])
+    assert len(policy.earlier) == requests and max(policy.earlier) == most_earlier
+    assert summary["num_turns"] == requests and len(_rows(tmp_path / "stts.jsonl")) == requests

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from drkernel import sft
+from drkernel.evaluator import EvalResult
 from drkernel.tasks import load_bundled
 from drkernel.trainer import TrainConfig, Trainer
 
@@ -43,7 +44,7 @@ def test_rl_step_from_sft_output(tiny_model_dir, tmp_path, lora_r):
                       num_generations=3, num_turns=1, max_new_tokens=6, learning_rate=1e-2,
                       micro_batch_size=3, log_with="none", save_steps=1, save_total_limit=0,
                       dump_rollouts=False, seed=0)
-    trainer = Trainer(cfg, tasks=load_bundled([1]), evaluate_fn=lambda pairs: [{}] * len(pairs),
+    trainer = Trainer(cfg, tasks=load_bundled([1]), evaluate_fn=lambda pairs: [EvalResult() for _ in pairs],
                       sample_reward_fn=short_answers)
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
     history = trainer.train()

@@ -73,6 +73,37 @@ def test_geo_mean_ignores_masked_tokens():
     assert keep.all() and m["reject_rate"] == 0.0
 
 
+def test_three_turn_trajectory_is_judged_as_a_whole_in_geometric_mode():
+    """The issue's example: per-token log-ratios 0.0025 / -0.0005 / -0.0005 over three turns.
+    The trajectory mean (0.0005, ratio 1.0005) is inside [0.999, 1.001]: all three turns stay;
+    judged per turn, turn 0 (ratio 1.0025) is rejected."""
+    old = torch.tensor([[0.0025] * 4, [-0.0005] * 4, [-0.0005] * 4], dtype=torch.float64)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    trajectory = torch.tensor([7, 7, 7])
+    _, keep, m = mismatch_correction(old, torch.zeros_like(old), mask, MismatchConfig(), trajectory)
+    assert keep.all() and m["reject_rate"] == 0.0
+    _, keep, m = mismatch_correction(old, torch.zeros_like(old), mask, MismatchConfig(geo_scope="turn"), trajectory)
+    assert keep[:, 0].tolist() == [False, True, True] and m["geo_reject_rate"] == pytest.approx(1 / 3)
+
+
+def test_a_far_off_turn_rejects_its_whole_trajectory_and_only_it():
+    old = torch.tensor([[0.01] * 2, [0.0] * 2, [0.0] * 2, [0.0] * 2], dtype=torch.float64)
+    mask = torch.ones(4, 2, dtype=torch.bool)
+    trajectory = torch.tensor([0, 0, 1, 1])  # rows 0-1: one trajectory, rows 2-3: another
+    _, keep, m = mismatch_correction(old, torch.zeros_like(old), mask, MismatchConfig(), trajectory)
+    assert keep[:, 0].tolist() == [False, False, True, True]  # mean 0.005 > log(1.001)
+    assert m["reject_rate"] == pytest.approx(0.5)
+    # without trajectory ids every row is its own trajectory
+    _, keep, _ = mismatch_correction(old, torch.zeros_like(old), mask, MismatchConfig())
+    assert keep[:, 0].tolist() == [False, True, True, True]
+
+
+def test_importance_weights_are_off_in_the_released_recipe():
+    old, roll = logs([3.0, 0.5])
+    w, _, _ = mismatch_correction(old, roll, torch.ones(1, 2, dtype=torch.bool), MismatchConfig(**OFF))
+    assert (w == 1).all()
+
+
 def test_token_veto():
     veto = 1e-4
     old = torch.tensor([[0.0, math.log(veto) - 0.01, 0.0],  # one token below the veto -> reject
@@ -128,3 +159,5 @@ def test_bad_config():
         MismatchConfig(token_is_cap=0.0)
     with pytest.raises(ValueError):
         MismatchConfig(geo_low=1.1, geo_high=1.0)
+    with pytest.raises(ValueError, match="geo_scope"):
+        MismatchConfig(geo_scope="sequence")

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from drkernel.rewards import RewardConfig, compute_reward, prs_keep, prs_keep_prob
+from drkernel.evaluator import EvalResult
+from drkernel.rewards import RewardConfig, compute_reward, prs_keep, prs_keep_prob, score
 
 
 def test_correct_reward_terms():
@@ -38,9 +39,19 @@ def test_failures_get_fail_reward(res):
     assert t.correct_term == t.speedup_term == t.profile_term == 0.0
 
 
+def test_score_computes_a_missing_reward_once_with_the_callers_config():
+    cfg = RewardConfig(correct_weight=2.0)
+    fresh = EvalResult(verdict="correct", correct=True, speedup=1.0, triton_time_share=0.5)
+    assert score(fresh, cfg) == pytest.approx(2.0 + 0.5 + 0.25)
+    assert fresh.reward == pytest.approx(2.75) and fresh.reward_terms["correct_term"] == 2.0
+    scored = EvalResult(verdict="correct", correct=True, speedup=1.0, reward=0.125)  # the evaluator's
+    assert score(scored, cfg) == 0.125 and scored.reward_terms is None
+
+
 def test_prs_prob():
     cfg = RewardConfig()
-    assert prs_keep_prob(None, cfg) == 1.0
+    assert prs_keep_prob(None, cfg) == 0.0  # KernelGYM: a missing coverage reads as 0
+    assert prs_keep_prob(None, RewardConfig(prs_missing_profile="keep")) == 1.0
     assert prs_keep_prob(0.1, cfg) == 0.0
     assert prs_keep_prob(0.35, cfg) == pytest.approx(0.5)
     assert prs_keep_prob(0.9, cfg) == 1.0
@@ -54,7 +65,10 @@ def test_prs_keep():
     assert not any(prs_keep(lazy, cfg, g) for _ in range(50))
     assert all(prs_keep({"verdict": "correct", "triton_time_share": 0.95}, cfg, g) for _ in range(50))
     assert all(prs_keep({"verdict": "incorrect", "triton_time_share": 0.0}, cfg, g) for _ in range(10))
-    assert prs_keep({"verdict": "correct", "triton_time_share": None}, cfg, g)
+    assert not prs_keep({"verdict": "correct", "triton_time_share": None}, cfg, g)
+    assert prs_keep({"verdict": "correct", "triton_time_share": None}, RewardConfig(prs_missing_profile="keep"), g)
     half = {"verdict": "correct", "triton_time_share": 0.35}
     kept = sum(prs_keep(half, cfg, g) for _ in range(2000))
     assert 850 < kept < 1150
+    with pytest.raises(ValueError, match="prs_missing_profile"):
+        RewardConfig(prs_missing_profile="maybe")

@@ -1,0 +1,97 @@
+"""One source of defaults: scripts' configs mirror the library configs without retyping a default,
+command-line and YAML overrides reach the composed configs, and configs/drkernel_recipe.yaml is
+the table of released values in docs/algorithm.md."""
+
+import dataclasses
+import re
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from drkernel.config import coerce, compose, disagreements, parse_config, shared_settings
+from drkernel.evaluator import EvalConfig
+from drkernel.rollout import RolloutConfig
+from drkernel.trainer import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import evaluate  # noqa: E402
+import generate  # noqa: E402
+
+SCRIPT_CONFIGS = (TrainConfig, generate.GenerateConfig, evaluate.EvaluateConfig)
+
+
+@pytest.mark.parametrize("cls", SCRIPT_CONFIGS, ids=lambda c: c.__name__)
+def test_no_script_config_disagrees_with_a_library_config(cls):
+    assert disagreements(cls) == []
+    names = {f.name for f in dataclasses.fields(cls)}
+    for target, keys in shared_settings(cls).items():
+        assert set(keys) <= names and set(keys.values()) <= {f.name for f in dataclasses.fields(target)}
+
+
+def test_settings_shared_by_several_scripts_agree():
+    train, gen, ev = TrainConfig(), generate.GenerateConfig(), evaluate.EvaluateConfig()
+    assert (train.eval_trials, train.eval_perf_trials, train.eval_timeout) == \
+        (gen.trials, gen.perf_trials, gen.timeout) == (ev.trials, ev.perf_trials, ev.timeout) == (5, 100, 180.0)
+    assert (train.num_turns, train.max_prompt_tokens) == (gen.num_turns, gen.max_prompt_tokens)
+    assert (train.num_generations, train.num_turns) == (RolloutConfig().num_generations, RolloutConfig().num_turns)
+    assert (train.tasks, train.levels, train.model) == (gen.tasks, gen.levels, gen.model)
+
+
+def test_a_retyped_default_is_reported():
+    @dataclasses.dataclass
+    class Retyped:
+        SHARED = ((EvalConfig, {"trials": "trials", "timeout": "timeout"}),)
+        trials: int = 3  # EvalConfig says 5
+        timeout: float = EvalConfig.timeout
+
+    assert disagreements(Retyped) == ["Retyped.trials = 3 but EvalConfig.trials = 5"]
+
+
+def test_overrides_reach_the_composed_configs(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("eval_trials: 2\nprs_missing_profile: keep\ngeo_scope: turn\n")
+    cfg = parse_config(TrainConfig, ["--config", str(path), "--eval_timeout", "33", "--num_turns", "4"])
+    assert (cfg.eval_config("cpu").trials, cfg.eval_config("cpu").timeout) == (2, 33.0)
+    assert cfg.reward_config().prs_missing_profile == "keep" and cfg.mismatch_config().geo_scope == "turn"
+    assert cfg.rollout_config(seed=1).num_turns == 4
+    gen = parse_config(generate.GenerateConfig, ["--trials", "1", "--max_new_tokens", "9"])
+    assert compose(gen, EvalConfig, device="cpu").trials == 1 and compose(gen, RolloutConfig).max_prompt_tokens == 4096
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = parse_config(TrainConfig, ["--config", str(path)])
+    assert set(yaml.safe_load(path.read_text())) <= {f.name for f in dataclasses.fields(cfg)}
+
+
+# ---------------------------------------------------------------------------- the released recipe
+
+def recipe_table() -> dict[str, str]:
+    """`| \\`field\\` | value | KernelGYM source |` rows of docs/algorithm.md's recipe section."""
+    text = (ROOT / "docs" / "algorithm.md").read_text()
+    section = text.split("## The released recipe", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+?) \| (.+?) \|$", section, flags=re.M)
+    assert all(source.strip() for _, _, source in rows)
+    return {field: value.strip() for field, value, _ in rows}
+
+
+def test_the_recipe_yaml_is_the_documented_table():
+    table = recipe_table()
+    path = ROOT / "configs" / "drkernel_recipe.yaml"
+    assert set(yaml.safe_load(path.read_text())) == set(table)
+    cfg = parse_config(TrainConfig, ["--config", str(path)])
+    hints = typing.get_type_hints(TrainConfig)
+    for field, value in table.items():
+        assert getattr(cfg, field) == coerce(value, hints[field], field), field
+    # the released behaviours this project also uses as defaults
+    default = TrainConfig()
+    for field in ("estimator", "mask_void_turn", "drop_failed_trajectories", "prs_missing_profile", "geo_scope",
+                  "token_is_cap", "loss_denominator", "loss_type", "norm_length", "epsilon_high", "dual_clip_c",
+                  "weight_decay"):
+        assert getattr(default, field) == getattr(cfg, field), field
