@@ -16,7 +16,7 @@ Output: one JSONL row per (task, sample, turn) with the evaluator's verdict and 
 --candidates out.jsonl` reads, so generations can be re-evaluated elsewhere (e.g. timed
 on a GPU); turns are 0-based and, with STTS, global (`iteration * num_turns + iter_turn`).
 A summary (`drkernel.metrics`, best-of-turns Fast@p; per STTS round with `drkernel.stts`)
-goes to `<output stem>.summary.json` and is printed.
+goes to `<output stem>.summary.json` and is printed; report.md and plots to `<output stem>_report/`.
 
 Resume: rows are appended and fsynced after each rollout call (`tasks_per_batch` tasks,
 one round). On restart (`--resume true`, the default) the (task, sample, round) units
@@ -256,11 +256,17 @@ def summary_path(output: str | os.PathLike) -> Path:
     return out.with_name(out.stem + ".summary.json")
 
 
+def report_dir(output: str | os.PathLike) -> Path:
+    """Where the report (tables, plots) of `output`'s generations goes: `<stem>_report/` beside it."""
+    out = Path(output)
+    return out.with_name(out.stem + "_report")
+
+
 def run(cfg: GenerateConfig, tasks: Sequence, policy: Policy, evaluate_fn: Callable) -> dict:
     """Generate (and evaluate) every missing (task, sample, round); return the summary."""
     from tqdm import tqdm
 
-    from drkernel import metrics, stts
+    from drkernel import metrics, report, stts
     from drkernel.generation import GenerationConfig
     from drkernel.rollout import RolloutConfig, rollout
 
@@ -333,6 +339,7 @@ def run(cfg: GenerateConfig, tasks: Sequence, policy: Policy, evaluate_fn: Calla
     summary["config"] = dataclasses.asdict(cfg)
     summary["generated_this_run"] = len(todo)
     summary["output"] = str(out)
+    report.write_report(summary, mine, report_dir(out), expected, samples, iterations * cfg.num_turns)
     return summary
 
 
@@ -382,7 +389,8 @@ def main(argv=None) -> dict:
     path = summary_path(cfg.output)
     write_json(path, summary)
     print_summary(summary)
-    print(f"[generate] generations: {cfg.output}  summary: {path}  ({summary['wall_s']:.0f} s)")
+    print(f"[generate] generations: {cfg.output}  summary: {path}  report: {report_dir(cfg.output) / 'report.md'}  "
+          f"({summary['wall_s']:.0f} s)")
     return summary
 
 

@@ -872,6 +872,7 @@ class Trainer:
                "masked": masked, "in_loss": train, "finished": s.finished,
                "response_tokens": len(s.response_ids), "verdict": r.get("verdict"), "correct": bool(r.get("correct")),
                "speedup": r.get("speedup"), "triton_time_share": r.get("triton_time_share"),
+               "hacks": list(r.get("hacks") or []),
                "error": (str(r.get("error"))[:500] if r.get("error") else None),
                "response": s.response_text, "code": s.code}
         if self.cfg.dump_prompts:
@@ -930,6 +931,7 @@ class Trainer:
         """Run until `max_steps`; returns the logged metrics of this process's steps."""
         from tqdm.auto import tqdm
 
+        from drkernel.report import write_run_report
         from drkernel.runtime import save_model
 
         cfg = self.cfg
@@ -958,6 +960,8 @@ class Trainer:
         finally:
             bar.close()
             self.close()
+        if history and self.acc.is_main_process:
+            write_run_report(cfg.output_dir, f"RL run: {cfg.output_dir}")
         return history
 
 
