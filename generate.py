@@ -17,7 +17,7 @@ Output: one JSONL row per (task, sample, turn) with the evaluator's verdict and 
 on a GPU); turns are 0-based and, with STTS, global (the round's offset + `iter_turn`; a later
 round adds `num_turns - stts_window` turns by default, see `drkernel.stts.round_turns`).
 A summary (`drkernel.metrics`, best-of-turns Fast@p; per STTS round with `drkernel.stts`)
-goes to `<output stem>.summary.json` and is printed.
+goes to `<output stem>.summary.json` and is printed; report.md and plots to `<output stem>_report/`.
 
 Resume: rows are appended and fsynced after each rollout call (`tasks_per_batch` tasks,
 one round). On restart (`--resume true`, the default) the (task, sample, round) units
@@ -269,6 +269,12 @@ def summary_path(output: str | os.PathLike) -> Path:
     return out.with_name(out.stem + ".summary.json")
 
 
+def report_dir(output: str | os.PathLike) -> Path:
+    """Where the report (tables, plots) of `output`'s generations goes: `<stem>_report/` beside it."""
+    out = Path(output)
+    return out.with_name(out.stem + "_report")
+
+
 def run(cfg: GenerateConfig, tasks: Sequence, policy: Policy, evaluate_fn: Callable) -> dict:
     """Generate (and evaluate) every missing (task, sample, round); return the summary."""
     from tqdm import tqdm
@@ -343,8 +349,8 @@ def _earlier_turns(rows: list[dict], task_key: str, sample: int) -> list[dict]:
 
 
 def _summary(cfg: GenerateConfig, tasks: Sequence, rows: list[dict], generated: int) -> dict:
-    """`drkernel.metrics` over every turn (best of turns), and per STTS round."""
-    from drkernel import metrics
+    """`drkernel.metrics` over every turn (best of turns), and per STTS round; the report beside it."""
+    from drkernel import metrics, report
 
     keys = {t.key for t in tasks}
     mine = [r for r in rows if r["task_key"] in keys]
@@ -356,6 +362,7 @@ def _summary(cfg: GenerateConfig, tasks: Sequence, rows: list[dict], generated: 
     summary["config"] = dataclasses.asdict(cfg)
     summary["generated_this_run"] = generated
     summary["output"] = cfg.output
+    report.write_report(summary, mine, report_dir(Path(cfg.output)), expected, cfg.samples_per_task, sum(plan))
     return summary
 
 
@@ -404,7 +411,8 @@ def main(argv=None) -> dict:
     path = summary_path(cfg.output)
     write_json(path, summary)
     print_summary(summary)
-    print(f"[generate] generations: {cfg.output}  summary: {path}  ({summary['wall_s']:.0f} s)")
+    print(f"[generate] generations: {cfg.output}  summary: {path}  report: {report_dir(cfg.output) / 'report.md'}  "
+          f"({summary['wall_s']:.0f} s)")
     return summary
 
 

@@ -29,6 +29,7 @@ Definitions (all rates are shares of expected units, so missing units pull them 
   block's scope (all turns for the overall and per-level blocks, one turn for a per-turn
   block); a `hacked` verdict with no code counts as `unspecified`.
 - `verdict_counts`: verdicts of the block's chosen attempts, with `missing` for missing ones.
+- `mean_phase_s` (top level only): mean seconds per evaluator phase over the attempts in scope.
 
 Blocks
 ------
@@ -103,7 +104,8 @@ def _rank(row: dict | None) -> tuple:
     return (is_correct(row), usable_speedup(row) or 0.0, is_compiled(row), -int(row.get("turn") or 0))
 
 
-def _hack_codes(rows: Iterable[dict]) -> dict[str, int]:
+def hack_counts(rows: Iterable[dict]) -> dict[str, int]:
+    """How many attempts flagged each hack code (a `hacked` verdict without a code: `unspecified`)."""
     counts: Counter = Counter()
     for r in rows:
         codes = list(r.get("hacks") or [])
@@ -138,10 +140,22 @@ def _block(chosen: Sequence[dict | None], attempts: Iterable[dict],
     shares = [float(r["triton_time_share"]) for r in chosen
               if is_correct(r) and isinstance(r.get("triton_time_share"), (int, float))]
     out["mean_triton_time_share"] = sum(shares) / len(shares) if shares else None
-    out["hack_counts"] = _hack_codes(attempts)
+    out["hack_counts"] = hack_counts(attempts)
     out["verdict_counts"] = dict(sorted(Counter(
         "missing" if r is None else str(r.get("verdict")) for r in chosen).items()))
     return out
+
+
+def mean_phase_seconds(rows: Iterable[dict]) -> dict[str, float]:
+    """Mean seconds per evaluation phase over the rows whose result has `details.phase_s`
+    (the evaluator's clock: where an evaluation's wall time goes)."""
+    per_phase: dict[str, list[float]] = {}
+    for r in rows:
+        phases = (r.get("details") or {}).get("phase_s") or {}
+        for name, seconds in phases.items():
+            if isinstance(seconds, (int, float)):
+                per_phase.setdefault(str(name), []).append(float(seconds))
+    return {name: sum(v) / len(v) for name, v in per_phase.items()}
 
 
 def _index(rows: Iterable[dict]) -> dict[tuple, dict]:
@@ -209,6 +223,7 @@ def summarize(rows: Iterable[dict], expected: Iterable[tuple[int, int]] | None =
         "per_level": per_level,
         "per_turn": per_turn,
         "best_of_turns": overall,
+        "mean_phase_s": mean_phase_seconds(in_scope),
     })
     return summary
 

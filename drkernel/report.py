@@ -1,6 +1,6 @@
-"""Human-readable output of an evaluation: summary.json, PNG plots and report.md.
+"""Human-readable output of runs: tables printed to the terminal, report.md and PNG plots.
 
-`write_report(summary, rows, output_dir)` writes
+Evaluations (evaluate.py, generate.py): `write_report(summary, rows, output_dir)` writes
 - `summary.json`: the `metrics.summarize` dict;
 - `fast_p_curve.png`: Fast@p against p (best-of-turns attempt per unit);
 - `speedup_hist.png`: the speedups of correct attempts, one histogram per level;
@@ -8,22 +8,29 @@
 - `report.md`: the headline metrics, per level, per turn, best-of-turns and hack counts,
   with links to the plots.
 `format_table(summary)` is the plain-text table that `evaluate.py` prints.
+
+Training runs (RL and SFT): `write_run_report(output_dir, title)` reads the run's
+`metrics.jsonl` (and, for RL, the hack codes in `rollouts/step_N.jsonl`), prints one table
+row per step and writes `report.md` and `training_curves.png` (reward, correct / fast_1 /
+Triton share, hack rate by code, loss, learning rate, seconds per phase) into `output_dir`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from drkernel import metrics
-from drkernel.jsonl import write_json
+from drkernel.jsonl import read_jsonl, write_json
+
 
 def _columns(summary: dict) -> list[str]:
     fast = [metrics.fast_key(p) for p in summary.get("p_values", metrics.DEFAULT_P_VALUES)]
     return ["compile_rate", "correct_rate", *fast, "geomean_speedup", "mean_speedup",
-            "num_samples", "num_missing"]
+            "mean_triton_time_share", "num_samples", "num_missing"]
 
 
 def _fmt(value, key: str = "") -> str:
@@ -36,7 +43,7 @@ def _fmt(value, key: str = "") -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
-        if key.endswith("_rate") or key.startswith("fast_"):
+        if key.endswith(("_rate", "_share")) or key.startswith("fast_"):
             return f"{100 * value:.1f}%"
         return f"{value:.3f}"
     return str(value)
@@ -57,16 +64,29 @@ def format_table(summary: dict) -> str:
     lines = [["scope", *cols]]
     for name, blk in _rows_for(summary):
         lines.append([name, *(_fmt(blk.get(c), c) for c in cols)])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(cols) + 1)]
-    text = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-            for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
+    text = _aligned(lines)
     hacks = summary.get("hack_counts") or {}
     text.append("hacks: " + (", ".join(f"{k}={v}" for k, v in hacks.items()) if hacks else "none"))
     verdicts = summary.get("verdict_counts") or {}
     if verdicts:
         text.append("verdicts: " + ", ".join(f"{k}={v}" for k, v in verdicts.items()))
+    if summary.get("mean_phase_s"):
+        text.append(_phase_line(summary["mean_phase_s"]))
     return "\n".join(text)
+
+
+def _aligned(lines: list[list[str]]) -> list[str]:
+    """Fixed-width text rows: the first column left-aligned, the others right-aligned, a rule
+    under the header."""
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    text = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+            for line in lines]
+    text.insert(1, "  ".join("-" * w for w in widths))
+    return text
+
+
+def _phase_line(phase_s: dict[str, float]) -> str:
+    return "seconds per evaluation by phase: " + ", ".join(f"{k}={v:.2f}" for k, v in phase_s.items())
 
 
 def _markdown_table(summary: dict) -> str:
@@ -182,8 +202,213 @@ def write_report(summary: dict, rows: Iterable[dict], output_dir: str | os.PathL
     if verdicts:
         md += ["", "## Verdicts (best turn per unit)", "", "| verdict | units |", "|---|---|"]
         md += [f"| {k} | {v} |" for k, v in verdicts.items()]
+    if summary.get("mean_phase_s"):
+        md += ["", "## Time", "", _phase_line(summary["mean_phase_s"]) + "."]
     md += ["", "## Plots", "", "![Fast@p](fast_p_curve.png)", "", "![Speedups per level](speedup_hist.png)",
            "", "![Per-turn correctness](per_turn.png)", ""]
     (out / "report.md").write_text("\n".join(md))
     paths["report.md"] = out / "report.md"
     return paths
+
+
+# ======================================================================================
+# Training runs: one row per optimiser step
+# ======================================================================================
+
+RUN_PLOT = "training_curves.png"
+MAX_TABLE_ROWS = 20  # longer runs show evenly spaced steps (all of them are in metrics.jsonl)
+HACKED = "hacked"  # share of turns flagged with any hack code
+HACK_PREFIX = "hack:"  # share of turns flagged with one code: "hack:<code>"
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One column of the step table: a key of the step record, its header and its unit."""
+
+    key: str
+    header: str
+    kind: str = "num"  # num | rate (shown in %) | s (seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Panel:
+    """One plot of training_curves.png: the keys drawn against the step."""
+
+    title: str
+    keys: tuple[str, ...]  # a key ending in ":" stands for every key with that prefix
+    ylabel: str
+    rate: bool = False  # values in [0, 1], drawn in %
+    stacked: bool = False  # stacked bars (seconds per phase) instead of lines
+
+
+QUALITY_COLUMNS = (Column("reward_mean", "reward"), Column("correct", "correct", "rate"),
+                   Column("fast_1", "fast_1", "rate"), Column("triton_share", "triton", "rate"),
+                   Column("all/format_error", "format_err", "rate"), Column(HACKED, "hacked", "rate"))
+LOSS_COLUMNS = (Column("loss", "loss"),)
+TIME_COLUMNS = (Column("generate_s", "generate_s", "s"), Column("evaluate_s", "evaluate_s", "s"),
+                Column("update_s", "update_s", "s"), Column("step_time_s", "step_s", "s"))
+LABELS = {c.key: c.header for c in (*QUALITY_COLUMNS, *LOSS_COLUMNS, *TIME_COLUMNS)}
+PANELS = (
+    Panel("reward", ("reward_mean",), "mean reward per turn"),
+    Panel("correctness", ("correct", "fast_1", "triton_share", "all/format_error"), "% of turns", rate=True),
+    Panel("hack rate by code", (HACKED, HACK_PREFIX), "% of turns", rate=True),
+    Panel("loss", ("loss",), "loss"),
+    Panel("learning rate", ("lr",), "lr"),
+    Panel("time per phase", ("generate_s", "evaluate_s", "update_s", "step_time_s"), "seconds", stacked=True),
+)
+
+
+@dataclasses.dataclass
+class RunHistory:
+    """A run's logged values per step, column-wise: `series[key][i]` belongs to `steps[i]`
+    (None where that step did not log the key)."""
+
+    steps: list[int]
+    series: dict[str, list[float | None]]
+
+    def has(self, key: str) -> bool:
+        return any(v is not None for v in self.series.get(key, ()))
+
+    def keys(self, pattern: str) -> list[str]:
+        """`pattern` itself, or every logged key starting with it when it ends in ":"."""
+        if pattern.endswith(":"):
+            return sorted(k for k in self.series if k.startswith(pattern) and self.has(k))
+        return [pattern] if self.has(pattern) else []
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _turn_hack_rates(rollout_rows: list[dict]) -> dict[str, float]:
+    """Share of a step's turns flagged with each hack code, and with any (`hacked`)."""
+    n = len(rollout_rows)
+    if not n:
+        return {}
+    rates = {HACK_PREFIX + code: count / n for code, count in metrics.hack_counts(rollout_rows).items()}
+    rates[HACKED] = sum(metrics.is_hacked(r) for r in rollout_rows) / n
+    return rates
+
+
+def load_run_history(output_dir: str | os.PathLike) -> RunHistory:
+    """metrics.jsonl (a step logged twice, by a resumed run, keeps its last row) plus the hack
+    rates of each step's rollout dump (RL with `dump_rollouts`)."""
+    out = Path(output_dir)
+    by_step: dict[int, dict] = {}
+    for row in read_jsonl(out / "metrics.jsonl")[0]:
+        if _number(row.get("step")) is not None:
+            by_step[int(row["step"])] = row
+    steps = sorted(by_step)
+    records = []
+    for step in steps:
+        record = {k: _number(v) for k, v in by_step[step].items() if k != "step"}
+        record.update(_turn_hack_rates(read_jsonl(out / "rollouts" / f"step_{step}.jsonl")[0]))
+        records.append(record)
+    keys = dict.fromkeys(k for r in records for k in r)
+    return RunHistory(steps, {k: [_value(r, k) for r in records] for k in keys})
+
+
+def _value(record: dict, key: str) -> float | None:
+    if key.startswith(HACK_PREFIX) and HACKED in record:  # the step's turns are known: not flagged = 0
+        return record.get(key, 0.0)
+    return record.get(key)
+
+
+def _run_columns(history: RunHistory) -> list[Column]:
+    hacks = [Column(k, k[len(HACK_PREFIX):], "rate") for k in history.keys(HACK_PREFIX)]
+    columns = [*QUALITY_COLUMNS, *hacks, *LOSS_COLUMNS, *TIME_COLUMNS]
+    return [c for c in columns if history.has(c.key)]
+
+
+def _cell(value: float | None, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "rate":
+        return f"{100 * value:.0f}%"
+    if kind == "s":
+        return f"{value:.1f}"
+    return f"{value:.4g}"
+
+
+def _table_rows(history: RunHistory) -> list[int]:
+    """Indices of the steps in the table: all of them, or MAX_TABLE_ROWS evenly spaced ones
+    with the first and the last."""
+    n = len(history.steps)
+    if n <= MAX_TABLE_ROWS:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (MAX_TABLE_ROWS - 1)) for i in range(MAX_TABLE_ROWS)})
+
+
+def run_table(history: RunHistory) -> list[list[str]]:
+    """Header and one row of cells per shown step."""
+    columns = _run_columns(history)
+    lines = [["step", *(c.header for c in columns)]]
+    for i in _table_rows(history):
+        lines.append([str(history.steps[i]), *(_cell(history.series[c.key][i], c.kind) for c in columns)])
+    return lines
+
+
+def _plot_run(history: RunHistory, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+
+    panels = [(p, keys) for p in PANELS if (keys := [k for pat in p.keys for k in history.keys(pat)])]
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (panel, keys) in zip(axes.flat, panels):
+        scale = 100.0 if panel.rate else 1.0
+        bottom = [0.0] * len(history.steps)
+        for key in keys:
+            ys = [scale * (v or 0.0) if panel.stacked else (None if v is None else scale * v)
+                  for v in history.series[key]]
+            label = key[len(HACK_PREFIX):] if key.startswith(HACK_PREFIX) else LABELS.get(key, key)
+            if panel.stacked:
+                ax.bar(history.steps, ys, bottom=bottom, label=label, width=0.8)
+                bottom = [b + y for b, y in zip(bottom, ys)]
+            else:
+                xs = [s for s, y in zip(history.steps, ys) if y is not None]
+                ax.plot(xs, [y for y in ys if y is not None], marker="o", ms=3, label=label)
+        if panel.rate:
+            ax.set_ylim(-2, 102)
+        elif panel.stacked:
+            ax.set_ylim(0, 1.35 * max(bottom + [1e-9]))  # room for the legend above the bars
+        ax.set_title(panel.title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _markdown(lines: Sequence[Sequence[str]]) -> list[str]:
+    head, *body = lines
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in body]
+
+
+def write_run_report(output_dir: str | os.PathLike, title: str) -> dict[str, Path]:
+    """Print the step table of a training run and write report.md and training_curves.png next
+    to its metrics.jsonl; returns {name: path} (empty when no step was logged)."""
+    out = Path(output_dir)
+    history = load_run_history(out)
+    if not history.steps:
+        return {}
+    lines = run_table(history)
+    _plot_run(history, title, out / RUN_PLOT)
+    shown = "" if len(lines) - 1 == len(history.steps) else f" ({len(lines) - 1} of {len(history.steps)} steps)"
+    md = [f"# {title}", "", f"Per step{shown}; every step is in metrics.jsonl and TensorBoard (logs/).", "",
+          *_markdown(lines), "", f"![training curves]({RUN_PLOT})", ""]
+    (out / "report.md").write_text("\n".join(md))
+    print("\n".join([f"{title}{shown}:", *_aligned(lines),
+                     f"report: {out / 'report.md'}  plots: {out / RUN_PLOT}"]), flush=True)
+    return {"report.md": out / "report.md", RUN_PLOT: out / RUN_PLOT}

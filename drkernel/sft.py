@@ -218,6 +218,7 @@ def train(cfg: SFTConfig) -> dict:
 
     from drkernel import runtime as rt
     from drkernel.modeling import compile_decoder_layers, load_model, load_tokenizer
+    from drkernel.report import write_run_report
 
     _validate(cfg)
     # we accumulate ourselves (see sft_step), so Accelerate must not rescale the loss
@@ -305,6 +306,8 @@ def train(cfg: SFTConfig) -> dict:
     final = Path(cfg.output_dir) / "final"
     rt.save_model(acc, model, tokenizer, final)
     logger.close()
+    if acc.is_main_process:
+        write_run_report(cfg.output_dir, f"SFT run: {cfg.output_dir}")
     return {"steps": total, "start_step": start, "last": last, "final": str(final),
             "last_checkpoint": saved_at, "data": dataclasses.asdict(dstats)}
 

@@ -986,7 +986,7 @@ class Trainer:
                "failed_trajectory": f.failed_trajectory, "prs_keep": f.prs_keep, "masked": f.masked,
                "in_baseline": f.in_baseline, "in_loss": f.in_loss, "finished": s.finished,
                "response_tokens": len(s.response_ids), "verdict": r.verdict, "correct": bool(r.correct),
-               "speedup": r.speedup, "triton_time_share": r.triton_time_share,
+               "speedup": r.speedup, "triton_time_share": r.triton_time_share, "hacks": list(r.hacks or []),
                "error": str(r.error)[:500] if r.error else None,
                "response": s.response_text, "code": s.code}
         if self.cfg.dump_prompts:
@@ -1060,6 +1060,7 @@ class Trainer:
         """Run until `max_steps`; returns the logged metrics of this process's steps."""
         from tqdm.auto import tqdm
 
+        from drkernel.report import write_run_report
         from drkernel.runtime import save_model
 
         cfg = self.cfg
@@ -1088,6 +1089,8 @@ class Trainer:
         finally:
             bar.close()
             self.close()
+        if history and self.acc.is_main_process:
+            write_run_report(cfg.output_dir, f"RL run: {cfg.output_dir}")
         return history
 
 

