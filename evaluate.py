@@ -40,7 +40,8 @@ DROP_FIELDS = ("stdout", "stderr")  # kept short by the evaluator, but noise in 
 @dataclasses.dataclass
 class EvaluateConfig(TaskSelection):
     SHARED = ((EvalConfig, {"device": "device", "trials": "trials", "perf_trials": "perf_trials",
-                            "timeout": "timeout", "require_triton": "require_triton"}),)
+                            "timeout": "timeout", "require_triton": "require_triton",
+                            "cache_dir": "cache_dir"}),)
 
     candidates: str = dataclasses.field(default="", metadata={
         "help": "directory (see drkernel/layouts.py) or .jsonl of generations; empty = bundled solutions"})
@@ -49,6 +50,8 @@ class EvaluateConfig(TaskSelection):
     trials: int = dataclasses.field(default=EvalConfig.trials, metadata={"help": "correctness trials (random inputs)"})
     perf_trials: int = dataclasses.field(default=EvalConfig.perf_trials, metadata={"help": "timing repetitions"})
     timeout: float = dataclasses.field(default=EvalConfig.timeout, metadata={"help": "seconds per evaluation"})
+    cache_dir: str = dataclasses.field(default=EvalConfig.cache_dir, metadata={
+        "help": "on-disk evaluation cache (shared with train.py and generate.py); empty = none"})
     workers: int = dataclasses.field(default=0, metadata={"help": "sandbox workers; 0 = auto"})
     baseline: str = dataclasses.field(default="eager", metadata={
         "help": "eager | compile (reference under torch.compile; needs a GPU/working inductor)"})

@@ -52,7 +52,8 @@ _E, _G, _Ro = EvalConfig, GenerationConfig, RolloutConfig  # defaults come from 
 @dataclasses.dataclass
 class GenerateConfig(ModelSelection, TaskSelection):
     SHARED = (
-        (EvalConfig, {"device": "device", "trials": "trials", "perf_trials": "perf_trials", "timeout": "timeout"}),
+        (EvalConfig, {"device": "device", "trials": "trials", "perf_trials": "perf_trials", "timeout": "timeout",
+                      "eval_cache_dir": "cache_dir"}),
         (GenerationConfig, {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
                             "top_k": "top_k", "backend": "backend", "batch_size": "batch_size"}),
         (RolloutConfig, {"num_turns": "num_turns", "max_prompt_tokens": "max_prompt_tokens"}),
@@ -74,6 +75,8 @@ class GenerateConfig(ModelSelection, TaskSelection):
     trials: int = dataclasses.field(default=_E.trials, metadata={"help": "evaluator correctness trials"})
     perf_trials: int = dataclasses.field(default=_E.perf_trials, metadata={"help": "evaluator timing repetitions"})
     timeout: float = dataclasses.field(default=_E.timeout, metadata={"help": "seconds per evaluation"})
+    eval_cache_dir: str = dataclasses.field(default=_E.cache_dir, metadata={
+        "help": "on-disk evaluation cache (shared with train.py and evaluate.py); empty = none"})
     workers: int = dataclasses.field(default=0, metadata={"help": "evaluator sandbox workers; 0 = auto"})
     output: str = "outputs/generations.jsonl"
     resume: bool = dataclasses.field(default=True, metadata={

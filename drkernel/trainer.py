@@ -67,7 +67,8 @@ class TrainConfig(RunConfig, TaskSelection):
 
     SHARED = (
         (EvalConfig, {"eval_device": "device", "eval_trials": "trials", "eval_perf_trials": "perf_trials",
-                      "eval_timeout": "timeout", "eval_max_speedup_recheck": "max_speedup_recheck"}),
+                      "eval_timeout": "timeout", "eval_max_speedup_recheck": "max_speedup_recheck",
+                      "eval_cache_dir": "cache_dir"}),
         (RewardConfig, {"correct_weight": "correct_weight", "speedup_weight": "speedup_weight",
                         "speedup_cap": "speedup_cap", "profile_weight": "profile_weight", "prs": "prs_enabled",
                         "prs_threshold": "prs_threshold", "prs_width": "prs_width",
@@ -112,6 +113,8 @@ class TrainConfig(RunConfig, TaskSelection):
     eval_max_speedup_recheck: float = dataclasses.field(default=_E.max_speedup_recheck, metadata={
         "help": "a speedup above this is timed again (KernelGYM re-measures above the speedup cap, 3)"})
     eval_workers: int = dataclasses.field(default=0, metadata={"help": "sandbox workers; 0 = auto"})
+    eval_cache_dir: str = dataclasses.field(default=_E.cache_dir, metadata={
+        "help": "on-disk evaluation cache shared by train.py, evaluate.py and generate.py; empty = none"})
     # --- rewards, PRS, which turns enter the baseline and the loss
     correct_weight: float = _R.correct_weight
     speedup_weight: float = _R.speedup_weight
@@ -946,7 +949,7 @@ class Trainer:
     def _rollout(self, tasks: list[Task], seed: int) -> tuple[list[list[TurnSample]], dict[str, float]]:
         """Trajectories of this process's tasks (sampled by the unwrapped model in eval mode with
         its KV cache; each turn's seed comes from `rollout.turn_seed`), and the phases' seconds."""
-        times = {"generate_s": 0.0, "evaluate_s": 0.0, "n_evaluated": 0}
+        times = {"generate_s": 0.0, "evaluate_s": 0.0, "n_evaluated": 0, "n_cached": 0}
 
         def timed(key: str, fn: Callable) -> Callable:
             def run(*args):
@@ -959,7 +962,9 @@ class Trainer:
 
         def evaluate(pairs):
             times["n_evaluated"] += len(pairs)
-            return self._evaluate(pairs)
+            results = self._evaluate(pairs)
+            times["n_cached"] += sum(1 for r in results if r.details.get("cached"))
+            return results
 
         t0 = time.perf_counter()
         policy = self.acc.unwrap_model(self.model)
@@ -1030,6 +1035,7 @@ class Trainer:
             "rollout_s": max(p["rollout_s"] for p in per_rank),
             "update_s": max(p["update_s"] for p in per_rank),
             "n_evaluated": sum(p["n_evaluated"] for p in per_rank),
+            "eval_cache_hit_rate": sum(p["n_cached"] for p in per_rank) / max(1, sum(p["n_evaluated"] for p in per_rank)),
             "gen_tokens": sum(p["gen_tokens"] for p in per_rank),
         }
         m["gen_tokens_per_s"] = m["gen_tokens"] / max(m["generate_s"], 1e-9)
