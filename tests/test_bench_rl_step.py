@@ -103,7 +103,6 @@ def test_replay_generator_answers_each_prompt_with_a_candidate_of_its_task(tiny_
         gen.task_of("a prompt about something else")
 
 
-@needs_vocab
 @pytest.mark.skipif(not KERNELBENCH.is_dir(), reason="needs ../shared/kernelbench")
 def test_tiny_replay_step_evaluates_real_candidates(tmp_path, monkeypatch, fresh_accelerate_state):
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
