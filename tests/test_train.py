@@ -440,3 +440,17 @@ def test_generation_options_reach_the_generation_config():
     g = cfg.generation_config(seed=5)
     assert (g.backend, g.compile, g.max_new_tokens, g.seed) == ("static", True, 77, 5)
     assert TrainConfig().generation_config().compile is False
+
+
+def test_train_py_without_options_runs_the_quick_preset(monkeypatch):
+    """`train.py` alone runs configs/cpu_quick.yaml (the library defaults are the paper's long
+    settings); any option means the caller chose, and no preset is added."""
+    import train
+    from drkernel import trainer
+
+    seen = []
+    monkeypatch.setattr(trainer, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert train.main([]) == 0 and seen[-1] == ["--config", str(train.QUICK)]
+    assert train.QUICK.is_file()
+    train.main(["--max_steps", "1"])
+    assert seen[-1] == ["--max_steps", "1"]
