@@ -106,8 +106,9 @@ def test_rl_trainer_writes_the_report_with_hack_codes(tiny_tokenizer, tmp_path, 
                 for p, a in zip(prompts, answers)]
 
     def evaluate_fn(pairs):
-        return [{"verdict": "hacked", "hacks": ["output_cached"], "correct": False} if i % 2 else
-                {"verdict": "correct", "correct": True, "compiled": True, "speedup": 0.5 + i, "hacks": []}
+        from drkernel.evaluator import EvalResult
+        return [EvalResult(verdict="hacked", hacks=["output_cached"], correct=False) if i % 2 else
+                EvalResult(verdict="correct", correct=True, compiled=True, speedup=0.5 + i, hacks=[])
                 for i in range(len(pairs))]
 
     cfg = TrainConfig(model="injected", output_dir=str(tmp_path), max_steps=2, tasks_per_step=1, num_generations=2,
