@@ -10,9 +10,10 @@ Evaluations (evaluate.py, generate.py): `write_report(summary, rows, output_dir)
 `format_table(summary)` is the plain-text table that `evaluate.py` prints.
 
 Training runs (RL and SFT): `write_run_report(output_dir, title)` reads the run's
-`metrics.jsonl` (and, for RL, the hack codes in `rollouts/step_N.jsonl`), prints one table
-row per step and writes `report.md` and `training_curves.png` (reward, correct / fast_1 /
-Triton share, hack rate by code, loss, learning rate, seconds per phase) into `output_dir`.
+`metrics.jsonl` (and, for RL, the verdicts in `rollouts/step_N.jsonl`), prints one table
+row per step and writes `report.md` and `training_curves.png` (reward, compiled / correct /
+fast_1 / Triton share, hack rate by code, loss, learning rate, seconds per phase) into
+`output_dir`.
 """
 
 from __future__ import annotations
@@ -217,6 +218,7 @@ def write_report(summary: dict, rows: Iterable[dict], output_dir: str | os.PathL
 
 RUN_PLOT = "training_curves.png"
 MAX_TABLE_ROWS = 20  # longer runs show evenly spaced steps (all of them are in metrics.jsonl)
+COMPILED = "compiled"  # share of turns whose code compiled (from the rollout dump)
 HACKED = "hacked"  # share of turns flagged with any hack code
 HACK_PREFIX = "hack:"  # share of turns flagged with one code: "hack:<code>"
 
@@ -241,16 +243,17 @@ class Panel:
     stacked: bool = False  # stacked bars (seconds per phase) instead of lines
 
 
-QUALITY_COLUMNS = (Column("reward_mean", "reward"), Column("correct", "correct", "rate"),
-                   Column("fast_1", "fast_1", "rate"), Column("triton_share", "triton", "rate"),
-                   Column("all/format_error", "format_err", "rate"), Column(HACKED, "hacked", "rate"))
+QUALITY_COLUMNS = (Column("reward_mean", "reward"), Column(COMPILED, "compiled", "rate"),
+                   Column("correct", "correct", "rate"), Column("fast_1", "fast_1", "rate"),
+                   Column("triton_share", "triton", "rate"), Column("all/format_error", "format_err", "rate"),
+                   Column(HACKED, "hacked", "rate"))
 LOSS_COLUMNS = (Column("loss", "loss"),)
 TIME_COLUMNS = (Column("generate_s", "generate_s", "s"), Column("evaluate_s", "evaluate_s", "s"),
                 Column("update_s", "update_s", "s"), Column("step_time_s", "step_s", "s"))
 LABELS = {c.key: c.header for c in (*QUALITY_COLUMNS, *LOSS_COLUMNS, *TIME_COLUMNS)}
 PANELS = (
     Panel("reward", ("reward_mean",), "mean reward per turn"),
-    Panel("correctness", ("correct", "fast_1", "triton_share", "all/format_error"), "% of turns", rate=True),
+    Panel("correctness", (COMPILED, "correct", "fast_1", "triton_share", "all/format_error"), "% of turns", rate=True),
     Panel("hack rate by code", (HACKED, HACK_PREFIX), "% of turns", rate=True),
     Panel("loss", ("loss",), "loss"),
     Panel("learning rate", ("lr",), "lr"),
@@ -282,19 +285,22 @@ def _number(value) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _turn_hack_rates(rollout_rows: list[dict]) -> dict[str, float]:
-    """Share of a step's turns flagged with each hack code, and with any (`hacked`)."""
+def _turn_rates(rollout_rows: list[dict]) -> dict[str, float]:
+    """Share of a step's turns that compiled, that were flagged with each hack code, and with any
+    (`hacked`)."""
     n = len(rollout_rows)
     if not n:
         return {}
     rates = {HACK_PREFIX + code: count / n for code, count in metrics.hack_counts(rollout_rows).items()}
     rates[HACKED] = sum(metrics.is_hacked(r) for r in rollout_rows) / n
+    if all(COMPILED in r for r in rollout_rows):
+        rates[COMPILED] = sum(bool(r[COMPILED]) for r in rollout_rows) / n
     return rates
 
 
 def load_run_history(output_dir: str | os.PathLike) -> RunHistory:
-    """metrics.jsonl (a step logged twice, by a resumed run, keeps its last row) plus the hack
-    rates of each step's rollout dump (RL with `dump_rollouts`)."""
+    """metrics.jsonl (a step logged twice, by a resumed run, keeps its last row) plus the compile
+    and hack rates of each step's rollout dump (RL with `dump_rollouts`)."""
     out = Path(output_dir)
     by_step: dict[int, dict] = {}
     for row in read_jsonl(out / "metrics.jsonl")[0]:
@@ -304,7 +310,7 @@ def load_run_history(output_dir: str | os.PathLike) -> RunHistory:
     records = []
     for step in steps:
         record = {k: _number(v) for k, v in by_step[step].items() if k != "step"}
-        record.update(_turn_hack_rates(read_jsonl(out / "rollouts" / f"step_{step}.jsonl")[0]))
+        record.update(_turn_rates(read_jsonl(out / "rollouts" / f"step_{step}.jsonl")[0]))
         records.append(record)
     keys = dict.fromkeys(k for r in records for k in r)
     return RunHistory(steps, {k: [_value(r, k) for r in records] for k in keys})

@@ -991,7 +991,8 @@ class Trainer:
                "failed_trajectory": f.failed_trajectory, "prs_keep": f.prs_keep, "masked": f.masked,
                "in_baseline": f.in_baseline, "in_loss": f.in_loss, "finished": s.finished,
                "response_tokens": len(s.response_ids), "verdict": r.verdict, "correct": bool(r.correct),
-               "speedup": r.speedup, "triton_time_share": r.triton_time_share, "hacks": list(r.hacks or []),
+               "speedup": r.speedup, "triton_time_share": r.triton_time_share, "compiled": bool(r.compiled),
+               "hacks": list(r.hacks or []),
                "error": str(r.error)[:500] if r.error else None,
                "response": s.response_text, "code": s.code}
         if self.cfg.dump_prompts:

@@ -19,7 +19,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def write_rl_run(out: Path, steps: int, dumps: bool = True) -> None:
     """metrics.jsonl of `steps` RL steps (step 2 logged twice, as a resumed run does) and rollout
-    dumps of 4 turns per step: step s flags `output_cached` on s % 2 turns, step 3 also `decoy_kernel`."""
+    dumps of 4 turns per step, one of them not compiled: step s flags `output_cached` on s % 2 turns,
+    step 3 also `decoy_kernel`."""
     (out / "rollouts").mkdir(parents=True)
     rows = [{"step": s, "loss": 0.01 * s, "reward_mean": 0.25 * s, "correct": 0.25, "fast_1": 0.0,
              "triton_share": 0.5, "all/format_error": 0.25, "lr": 1e-6, "generate_s": 10.0, "evaluate_s": 2.0,
@@ -27,11 +28,12 @@ def write_rl_run(out: Path, steps: int, dumps: bool = True) -> None:
     rows.insert(1, dict(rows[1], loss=-1.0))  # step 2 of the first attempt, redone after a resume
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     for s in range(1, steps + 1) if dumps else ():
-        turns = [{"verdict": "correct", "hacks": []} for _ in range(4)]
+        turns = [{"verdict": "correct", "compiled": True, "hacks": []} for _ in range(3)]
+        turns.append({"verdict": "compile_error", "compiled": False, "hacks": []})
         for t in range(s % 2):
-            turns[t] = {"verdict": "hacked", "hacks": ["output_cached"]}
+            turns[t] = {"verdict": "hacked", "compiled": True, "hacks": ["output_cached"]}
         if s == 3:
-            turns[3] = {"verdict": "hacked", "hacks": ["decoy_kernel", "output_cached"]}
+            turns[2] = {"verdict": "hacked", "compiled": True, "hacks": ["decoy_kernel", "output_cached"]}
         (out / "rollouts" / f"step_{s}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in turns))
 
 
@@ -42,6 +44,7 @@ def test_rl_history_merges_metrics_and_hack_rates(tmp_path):
     assert history.steps == [1, 2, 3]
     assert history.series["loss"] == [0.01, 0.02, 0.03]  # a step logged twice keeps its last row
     assert history.series[report.HACKED] == [0.25, None, 0.5]
+    assert history.series[report.COMPILED] == [0.75, None, 0.75]
     assert history.series["hack:output_cached"] == [0.25, None, 0.5]
     assert history.series["hack:decoy_kernel"] == [0.0, None, 0.25]
     assert history.keys("hack:") == ["hack:decoy_kernel", "hack:output_cached"]
@@ -52,12 +55,12 @@ def test_rl_run_report_table_markdown_and_plot(tmp_path, capsys):
     paths = report.write_run_report(tmp_path, "RL run: test")
     printed = capsys.readouterr().out
     header, rule, *rows = printed.splitlines()[1:6]
-    assert header.split() == ["step", "reward", "correct", "fast_1", "triton", "format_err", "hacked",
+    assert header.split() == ["step", "reward", "compiled", "correct", "fast_1", "triton", "format_err", "hacked",
                               "decoy_kernel", "output_cached", "loss", "generate_s", "evaluate_s", "update_s"]
-    assert rows[2].split() == ["3", "0.75", "25%", "0%", "50%", "25%", "50%", "25%", "50%", "0.03", "10.0", "2.0",
-                               "5.0"]
+    assert rows[2].split() == ["3", "0.75", "75%", "25%", "0%", "50%", "25%", "50%", "25%", "50%", "0.03", "10.0",
+                               "2.0", "5.0"]
     md = paths["report.md"].read_text()
-    assert md.startswith("# RL run: test") and "| 2 | 0.5 | 25% |" in md and "training_curves.png" in md
+    assert md.startswith("# RL run: test") and "| 2 | 0.5 | 75% | 25% |" in md and "training_curves.png" in md
     png = paths[report.RUN_PLOT]
     assert png.read_bytes()[:8] == PNG and png.stat().st_size > 20_000
 
@@ -120,6 +123,7 @@ def test_rl_trainer_writes_the_report_with_hack_codes(tiny_tokenizer, tmp_path, 
     history = report.load_run_history(tmp_path)
     assert history.steps == [1, 2] and history.series["hack:output_cached"] == [0.5, 0.5]
     assert history.series["correct"] == [0.5, 0.5] and all(history.series["loss"])
+    assert history.series[report.COMPILED] == [0.5, 0.5]  # the hacked answers were not reported compiled
     assert (tmp_path / report.RUN_PLOT).read_bytes()[:8] == PNG
 
 
