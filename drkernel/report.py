@@ -361,6 +361,7 @@ def _plot_run(history: RunHistory, title: str, path: Path) -> None:
 
     matplotlib.use("Agg")  # files only; never a display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     panels = [(p, keys) for p in PANELS if (keys := [k for pat in p.keys for k in history.keys(pat)])]
     cols = min(3, len(panels))
@@ -388,6 +389,7 @@ def _plot_run(history: RunHistory, title: str, path: Path) -> None:
             ax.set_ylim(0, 1.35 * max(bottom + [1e-9]))  # room for the legend above the bars
         ax.set_title(panel.title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
         if len(keys) > 1:

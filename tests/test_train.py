@@ -454,3 +454,16 @@ def test_train_py_without_options_runs_the_quick_preset(monkeypatch):
     assert train.QUICK.is_file()
     train.main(["--max_steps", "1"])
     assert seen[-1] == ["--max_steps", "1"]
+
+
+def test_quick_preset_is_the_warm_started_small_run():
+    """The README's default run: the bundled adapter on SmolLM2, a short run that a CPU finishes."""
+    import train
+    from drkernel.config import parse_config
+    from drkernel.modeling import WARM_START, WARM_START_DIR
+    from drkernel.trainer import TrainConfig
+
+    cfg = parse_config(TrainConfig, ["--config", str(train.QUICK)])
+    assert cfg.model == WARM_START and (WARM_START_DIR / "adapter_model.safetensors").is_file()
+    assert cfg.max_steps * cfg.tasks_per_step * cfg.num_generations * cfg.num_turns <= 8
+    assert cfg.prs_missing_profile == "keep"
