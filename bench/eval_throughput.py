@@ -12,8 +12,8 @@ Printed: candidates per minute per worker count; every verdict or hack code that
 1 worker, every speedup more than 3 % off (`!!` beyond 10 %); candidates whose verdict is not
 the one expected. JSON with every result: `--json` (default `$OUT/eval_throughput.json`).
 
-The cache: once `EvalConfig` has a `cache_dir` field the evaluator caches itself and each pass
-sets it; until then this bench wraps `evaluate_many` in `drkernel.evalcache.evaluate_cached`.
+Also printed: seconds per judge phase summed over each pass's candidates, the correctness phase
+split into candidate calls, reference runs and checks, and how many results were re-run alone.
 
     python bench/eval_throughput.py --kernelbench .bench_data/kernelbench --workers 1,2,4,6    # GPU
     python bench/eval_throughput.py --device cpu --shrink --workers 1,2 --size 40 \\
@@ -37,11 +37,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.candidates import Candidate, all_candidates, bundled_task, composition, mixed_set  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
-from drkernel.evalcache import EvalCache, evaluate_cached, fingerprint  # noqa: E402
+from drkernel.evalcache import fingerprint  # noqa: E402
 from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device  # noqa: E402
 
 SPEEDUP_TOLERANCE = 0.03  # a speedup further than this from 1 worker's is listed
 SPEEDUP_FLAG = 0.10  # and flagged beyond this
+DETAILS = ("phase_s", "correctness_split_s", "retried_alone", "preflight", "timed_calls")  # kept per result
 
 
 @dataclasses.dataclass
@@ -74,6 +75,7 @@ class Difference:
     reference: object  # the 1-worker value
     value: object
     flagged: bool = False  # a speedup more than SPEEDUP_FLAG off
+    precise: bool = True  # the 1-worker speedup's own 95 % interval is narrower than SPEEDUP_TOLERANCE
 
 
 # ----------------------------------------------------------------------------- running
@@ -89,18 +91,13 @@ def warm_up(ev: Evaluator, workers: int) -> None:
 
 def evaluate_pass(cfg: EvalConfig, workers: int, pairs: list[tuple[str, str]], cache_dir: Path, label: str) -> Pass:
     """One Evaluator with `workers` workers over `pairs`, through the cache in `cache_dir`."""
-    integrated = hasattr(cfg, "cache_dir")  # the evaluator caches itself
-    if integrated:
-        cfg = dataclasses.replace(cfg, cache_dir=str(cache_dir))
+    cfg = dataclasses.replace(cfg, cache_dir=str(cache_dir))
     t0 = time.perf_counter()
     with Evaluator(cfg, workers=workers) as ev:
         warm_up(ev, workers)
         startup = time.perf_counter() - t0
         t0 = time.perf_counter()
-        if integrated:
-            results = ev.evaluate_many(pairs)
-        else:
-            results = evaluate_cached(pairs, cfg, ev.evaluate_many, EvalCache(cache_dir), ev.reward_config)
+        results = ev.evaluate_many(pairs)
         wall = time.perf_counter() - t0
     return Pass(workers, label, startup, wall, results)
 
@@ -117,8 +114,18 @@ def compare(reference: Pass, other: Pass, candidates: list[Candidate]) -> list[D
             off = abs(b.speedup - a.speedup) / a.speedup
             if off > SPEEDUP_TOLERANCE:
                 out.append(Difference(c.name, c.kind, other.label, "speedup", a.speedup, b.speedup,
-                                      off > SPEEDUP_FLAG))
+                                      off > SPEEDUP_FLAG, precise(a)))
     return out
+
+
+def precise(r: EvalResult) -> bool:
+    """Whether a speedup is measured finely enough to be compared at SPEEDUP_TOLERANCE: a launch-bound
+    microsecond kernel's median moves with host and clock state from one serial run to the next,
+    and its bootstrap interval says so."""
+    if not r.speedup or not r.speedup_interval:
+        return False
+    lo, hi = r.speedup_interval
+    return (hi - lo) / r.speedup <= SPEEDUP_TOLERANCE
 
 
 def unexpected(candidates: list[Candidate], results: list[EvalResult]) -> list[tuple[str, str, str]]:
@@ -145,10 +152,35 @@ def print_report(passes: list[Pass], diffs: list[Difference], surprises: list[tu
           else "\nno verdict, hack or speedup differs from 1 worker")
     for d in diffs:
         value = f"{d.reference:.4g} -> {d.value:.4g}" if d.what == "speedup" else f"{d.reference} -> {d.value}"
-        print(f"  {'!!' if d.flagged else '  '} {d.run}: {d.candidate} [{d.kind}] {d.what} {value}")
+        note = "" if d.precise else "  (imprecise at 1 worker: its interval is wider than the tolerance)"
+        print(f"  {'!!' if d.flagged else '  '} {d.run}: {d.candidate} [{d.kind}] {d.what} {value}{note}")
+    compared = [r for r in base.results if r.speedup]
+    print(f"speedups: {len(compared)} at 1 worker, {sum(map(precise, compared))} of them precise to "
+          f"{SPEEDUP_TOLERANCE:.0%}; precise ones off by more than that in another pass: "
+          f"{sum(d.what == 'speedup' and d.precise for d in diffs)}, by more than {SPEEDUP_FLAG:.0%}: "
+          f"{sum(d.what == 'speedup' and d.precise and d.flagged for d in diffs)}")
     print(f"\nnot as expected with 1 worker ({len(surprises)}):" if surprises else "\nevery known expectation met")
     for name, expected, got in surprises:
         print(f"  {name}: expected {expected}, got {got}")
+
+
+def _summed(results: list[EvalResult], key: str) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for r in results:
+        for k, v in (r.details.get(key) or {}).items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def print_time_split(passes: list[Pass]) -> None:
+    """Where each uncached pass's job-seconds went."""
+    for p in passes:
+        if p.cache != "cold":
+            continue
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in _summed(p.results, "phase_s").items())
+        split = ", ".join(f"{k} {v:.1f}" for k, v in _summed(p.results, "correctness_split_s").items())
+        retried = sum(bool(r.details.get("retried_alone")) for r in p.results)
+        print(f"{p.label}: job seconds by phase: {phases}; correctness: {split}; re-run alone: {retried}")
 
 
 def summary(args, candidates: list[Candidate], passes: list[Pass], diffs: list[Difference],
@@ -162,8 +194,9 @@ def summary(args, candidates: list[Candidate], passes: list[Pass], diffs: list[D
                         "expected_hacks": list(c.expected_hacks)} for c in candidates],
         "passes": [{"workers": p.workers, "cache": p.cache, "startup_s": p.startup_s, "wall_s": p.wall_s,
                     "per_minute": p.per_minute, "hit_rate": p.hit_rate,
-                    "results": [{k: getattr(r, k) for k in ("verdict", "hacks", "speedup", "wall_s")}
-                                | {"error": (r.error or "")[:300]} for r in p.results]} for p in passes],
+                    "results": [{k: getattr(r, k) for k in ("verdict", "hacks", "speedup", "speedup_interval", "wall_s")}
+                                | {k: r.details.get(k) for k in DETAILS} | {"error": (r.error or "")[:300]}
+                                for r in p.results]} for p in passes],
         "best_workers": best.workers,
         "cache": {"workers": warm.workers, "hit_rate": warm.hit_rate, "speedup_vs_best": best.wall_s / warm.wall_s,
                   "speedup_vs_1_worker": cold[0].wall_s / warm.wall_s},
@@ -224,6 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
         diffs = [d for p in passes[1:] for d in compare(passes[0], p, candidates)]
         surprises = unexpected(candidates, passes[0].results)
         print_report(passes, diffs, surprises)
+        print_time_split(passes)
         result = summary(args, candidates, passes, diffs, surprises)
     finally:
         shutil.rmtree(run_dir if args.cache_dir else root, ignore_errors=True)

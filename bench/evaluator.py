@@ -6,6 +6,11 @@ require Triton are switched off for those, so we measure the timing path: the sp
 reference against itself must land in [0.95, 1.05]).
 
     python bench/evaluator.py --kernelbench ../shared/kernelbench --repeats 3 --out out.json
+    python bench/evaluator.py --workers 4 ...   # each repeat evaluates every case at once, side by side
+
+With `--workers N` > 1 the cases of a repeat run together on N runners per GPU (one Evaluator
+without the Triton requirement, so solutions and references share the GPU), which is how the
+reference-against-itself figures are checked next to neighbours; `wall_s` is then each job's own.
 """
 
 from __future__ import annotations
@@ -30,6 +35,48 @@ def reference_as_candidate(code: str) -> str:
     return code + "\n\nclass ModelNew(Model):\n    pass\n"
 
 
+def _row(label: str, results: list) -> dict:
+    """One case's repeats as a table row."""
+    last = results[-1]
+    speedups = [r.speedup for r in results if r.speedup is not None]
+    walls = [r.wall_s for r in results]
+    return dict(case=label, verdict=last.verdict, verdicts=[r.verdict for r in results], hacks=last.hacks,
+                error=(last.error or "")[:200], ref_ms=last.ref_ms, candidate_ms=last.candidate_ms,
+                ref_ms_isolated=last.details.get("ref_ms_isolated"), speedups=speedups, wall_s=walls,
+                median_wall_s=statistics.median(walls), triton_time_share=last.triton_time_share,
+                phase_s=last.details.get("phase_s"), correctness_split_s=last.details.get("correctness_split_s"),
+                spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)
+
+
+def one_at_a_time(cases: list, base: dict, repeats: int) -> list[dict]:
+    """Each case alone on the GPU, `repeats` times (wall: the caller's clock around one evaluation)."""
+    rows = []
+    with Evaluator(EvalConfig(**base)) as strict, Evaluator(EvalConfig(**base, require_triton=False)) as loose:
+        for label, task, code, allow_torch in cases:
+            ev = loose if allow_torch else strict
+            results = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                results.append(ev.evaluate(task.code, code))
+                results[-1].wall_s = time.perf_counter() - t0
+            rows.append(_row(label, results))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def side_by_side(cases: list, cfg: EvalConfig, workers: int, repeats: int) -> list[dict]:
+    """Every case of a repeat in one `evaluate_many` on `workers` runners per GPU."""
+    per_case: list[list] = [[] for _ in cases]
+    with Evaluator(cfg, workers=workers) as ev:
+        for _ in range(repeats):
+            for results, res in zip(per_case, ev.evaluate_many([(task.code, code) for _, task, code, _ in cases])):
+                results.append(res)
+    rows = [_row(label, results) for (label, *_), results in zip(cases, per_case)]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernelbench", default="../shared/kernelbench")
@@ -38,6 +85,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--perf-trials", type=int, default=100)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--workers", type=int, default=1, help="runners per GPU (>1: each repeat's cases together)")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only matching cases")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "evaluator.json"))
     args = ap.parse_args()
@@ -55,28 +103,11 @@ def main() -> None:
     if args.only:
         keys = [k for k in args.only.split(",") if k]
         cases = [c for c in cases if any(k in c[0] for k in keys)]
-    rows = []
     base = dict(device=args.device, trials=args.trials, perf_trials=args.perf_trials)
-    with Evaluator(EvalConfig(**base)) as strict, Evaluator(EvalConfig(**base, require_triton=False)) as loose:
-        for label, task, code, allow_torch in cases:
-            ev = loose if allow_torch else strict
-            walls, speedups, verdicts, last = [], [], [], None
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                res = ev.evaluate(task.code, code)
-                walls.append(time.perf_counter() - t0)
-                verdicts.append(res.verdict)
-                if res.speedup is not None:
-                    speedups.append(res.speedup)
-                last = res
-            row = dict(case=label, verdict=verdicts[-1], verdicts=verdicts, hacks=last.hacks,
-                       error=(last.error or "")[:200], ref_ms=last.ref_ms, candidate_ms=last.candidate_ms,
-                       ref_ms_isolated=last.details.get("ref_ms_isolated"),
-                       speedups=speedups, wall_s=walls, median_wall_s=statistics.median(walls),
-                       triton_time_share=last.triton_time_share, phase_s=last.details.get("phase_s"),
-                       spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    if args.workers > 1:
+        rows = side_by_side(cases, EvalConfig(**base, require_triton=False), args.workers, args.repeats)
+    else:
+        rows = one_at_a_time(cases, base, args.repeats)
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))

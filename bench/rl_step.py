@@ -220,6 +220,11 @@ def print_table(steps: list[dict], setup: dict[str, float]) -> None:
 
 # ----------------------------------------------------------------------------- main
 
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+
+
 def default_tasks() -> str:
     local = ROOT / ".bench_data" / "kernelbench"
     return str(local if local.is_dir() else ROOT.parent / "shared" / "kernelbench")
@@ -303,7 +308,20 @@ def main(argv=None) -> int:
         trainer = Trainer(cfg, tasks=replay.tasks if replay else None, generator=replay)
         setup["trainer init (load)"] = time.perf_counter() - t0
 
-        steps = []
+        import transformers
+
+        steps: list[dict] = []
+        result = {
+            "config": {"device": args.device, "layers": args.layers, "tiny": args.tiny, "params": n_params,
+                       "model": "qwen2.5-0.5b-shaped random" + (" (tiny)" if args.tiny else ""),
+                       "vocab_file": str(vocab_file), "extra": extra, "policy": args.policy,
+                       **({"replay_tasks": len(replay.tasks), "replay_candidates": composition(replay.candidates)}
+                          if replay else {}),
+                       **{k: getattr(cfg, k) for k in TRAINER_KEYS}},  # as the trainer ran (after `extra`)
+            "env": {"torch": torch.__version__, "transformers": transformers.__version__,
+                    "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None},
+            "setup_s": setup, "steps": steps,  # filled step by step, written after each
+        }
         try:
             for _ in range(args.steps):
                 m = trainer.train_step()
@@ -320,27 +338,12 @@ def main(argv=None) -> int:
                                              "update_tokens_per_s", "update_samples", "n_evaluated",
                                              "peak_mem_gib", "loss", "grad_norm", "reward_mean")}})
                 print(f"  step {trainer.step} done in {m['step_s']:.1f}s", file=sys.stderr, flush=True)
+                write_json(Path(args.out), result)  # a call cut short still leaves the steps it finished
         finally:
             trainer.close()
 
-        import transformers
-
-        result = {
-            "config": {"device": args.device, "layers": args.layers, "tiny": args.tiny, "params": n_params,
-                       "model": "qwen2.5-0.5b-shaped random" + (" (tiny)" if args.tiny else ""),
-                       "vocab_file": str(vocab_file), "extra": extra, "policy": args.policy,
-                       **({"replay_tasks": len(replay.tasks), "replay_candidates": composition(replay.candidates)}
-                          if replay else {}),
-                       **{k: getattr(cfg, k) for k in TRAINER_KEYS}},  # as the trainer ran (after `extra`)
-            "env": {"torch": torch.__version__, "transformers": transformers.__version__,
-                    "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None},
-            "setup_s": setup, "steps": steps,
-        }
         print_table(steps, setup)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-        print(f"wrote {out}")
+        print(f"wrote {args.out}")
     finally:
         if args.keep:
             print(f"kept {work}")

@@ -279,7 +279,7 @@ class _Prepared:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _finish(r: EvalResult, cfg: EvalConfig, wall: float, reward_config=None) -> EvalResult:
+def _finish(r: EvalResult, cfg: EvalConfig, reward_config=None) -> EvalResult:
     if r.verdict != "correct":
         r.correct = False
         r.speedup = None
@@ -287,7 +287,7 @@ def _finish(r: EvalResult, cfg: EvalConfig, wall: float, reward_config=None) -> 
         r.hacks = ["patched_function"]
     if r.device is None:
         r.device = cfg.device
-    r.wall_s = wall
+    r.wall_s = r.wall_s or 0.0  # the job's own seconds (the judge's); 0 when decided before any job
     try:
         from drkernel import rewards
         terms = rewards.compute_reward(r, reward_config or rewards.RewardConfig())
@@ -342,6 +342,64 @@ def _gpu_oom(r: EvalResult) -> bool:
     return r.verdict in ("runtime_error", "crashed") and ("cuda out of memory" in err or "outofmemoryerror" in err)
 
 
+# Import failures that cannot depend on the GPU the pre-flight import does not see.
+_IMPORT_FAILURES = ("SyntaxError", "IndentationError", "TabError", "ImportError", "ModuleNotFoundError",
+                    "NameError")
+
+
+def _preflight_verdict(res: Any) -> EvalResult | None:
+    """The verdict of the GPU-less pre-flight import when it is already final, else None. The
+    candidate's process reports it, so only what can cost the candidate alone is believed: an
+    import error raised by the candidate's own module code, or an import that outran the time limit
+    (the full job, which imports the same file later, could not finish either)."""
+    if getattr(res, "status", None) == "timeout":
+        return EvalResult(verdict="timeout", error="importing the candidate exceeded the time limit",
+                          details={"preflight": True})
+    value = res.value if getattr(res, "status", None) == "ok" and isinstance(res.value, dict) else {}
+    if value.get("type") in _IMPORT_FAILURES and value.get("raised_in_candidate") is True:
+        return EvalResult(verdict="compile_error", error="candidate failed to import: " + str(value.get("error"))[:1400],
+                          details={"preflight": True})
+    return None
+
+
+# Hack codes measured against this GPU's other work: a neighbour's work can cause them.
+_NEIGHBOUR_SENSITIVE = ("reference_slowed", "side_stream", "implausible_speedup")
+# Hack codes of a candidate whose own GPU work may have run outside its turn on the GPU (work on
+# other streams or threads, or work that slowed its own reference); patched functions and changed
+# globals stay inside the candidate's process.
+_ESCAPING = ("side_stream", "thread_spawned", "reference_slowed")
+
+
+@dataclasses.dataclass
+class _Run:
+    """One job's result and when it held a runner (monotonic seconds)."""
+    result: EvalResult
+    start: float = 0.0
+    end: float = 0.0
+
+
+def rerun_alone(runs: list[_Run]) -> dict[int, str]:
+    """Which results of jobs that shared a GPU are measured again with the GPU alone, and why: a
+    verdict or hack code that a neighbour could have caused (out of memory, a timeout spent waiting,
+    timing-based hack codes), and every job that overlapped in time with a candidate whose own GPU
+    work may have escaped its turn. Re-run alone, each gets the verdict a serial run gives."""
+    why: dict[int, str] = {}
+    for i, run in enumerate(runs):
+        r = run.result
+        if _gpu_oom(r):
+            why[i] = "out of memory next to other jobs"
+        elif r.verdict == "timeout" and not r.details.get("preflight"):
+            why[i] = "timed out next to other jobs"
+        elif set(r.hacks) & set(_NEIGHBOUR_SENSITIVE):
+            why[i] = "a timing-based hack code measured next to other jobs"
+    escaped = [k for k, run in enumerate(runs) if set(run.result.hacks) & set(_ESCAPING)]
+    for i, run in enumerate(runs):
+        for k in escaped:
+            if k != i and i not in why and run.start < runs[k].end and runs[k].start < run.end:
+                why[i] = f"ran next to a candidate whose GPU work may have escaped its turn ({', '.join(runs[k].result.hacks)})"
+    return why
+
+
 class Evaluator:
     """Sandbox workers for many evaluations: on a GPU machine `workers` per visible GPU (default
     from CPU cores and GPU memory); each job shares its GPU for correctness and holds it alone
@@ -381,25 +439,37 @@ class Evaluator:
         return evalcache.evaluate_cached(texts, self.cfg, self._run, self.cache, self.reward_config)
 
     def _run(self, pairs: list[tuple[str, str]]) -> list[EvalResult]:
-        t0 = _perf()
+        from concurrent.futures import ThreadPoolExecutor
         preps = [_Prepared(r, c, self.cfg) for r, c in pairs]
         try:
             todo = [i for i, p in enumerate(preps) if p.early is None]
             out = [p.early or EvalResult() for p in preps]
-            for i, res in zip(todo, self.pool.map([self._job(preps[i]) for i in todo])):
-                out[i] = _map_status(res)
-            retry = [i for i in todo if self.shared_gpu and _gpu_oom(out[i])]
-            for i, res in zip(retry, self.pool.map([self._job(preps[i], exclusive=True) for i in retry])):
-                out[i] = _map_status(res)
-                out[i].details["retried_alone"] = True
-            return [_finish(r, self.cfg, _perf() - t0, self.reward_config) for r in out]
+            with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(todo)))) as ex:
+                runs = list(ex.map(lambda i: self._evaluate_one(preps[i]), todo))
+            for i, run in zip(todo, runs):
+                out[i] = run.result
+            if self.shared_gpu:  # one at a time: a job waiting for the GPU would spend its time limit
+                for k, why in sorted(rerun_alone(runs).items()):
+                    i = todo[k]
+                    out[i] = self._evaluate_one(preps[i], exclusive=True).result
+                    out[i].details["retried_alone"] = why
+            return [_finish(r, self.cfg, self.reward_config) for r in out]
         finally:
             for p in preps:
                 p.close()
 
-    def _job(self, prep: "_Prepared", exclusive: bool = False) -> dict:
-        return dict(target=_JUDGE, kwargs={**prep.kwargs(), "exclusive": exclusive}, runner=_RUNNER,
-                    limits=_limits(self.cfg))
+    def _evaluate_one(self, prep: "_Prepared", exclusive: bool = False) -> _Run:
+        """The pre-flight import (no GPU), then, unless that already decided, the judge's job."""
+        pre = self.pool.run("drkernel.runner:preflight", {"candidate_path": prep.cand_path},
+                            limits=_limits(self.cfg), env={"CUDA_VISIBLE_DEVICES": ""})
+        early = _preflight_verdict(pre)
+        if early is not None:
+            early.wall_s = pre.wall_s
+            return _Run(early)
+        start = time.monotonic()
+        res = self.pool.run(_JUDGE, {**prep.kwargs(), "exclusive": exclusive}, runner=_RUNNER,
+                            limits=_limits(self.cfg))
+        return _Run(_map_status(res), start, time.monotonic())
 
     def close(self):
         with contextlib.suppress(Exception):

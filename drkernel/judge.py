@@ -94,6 +94,7 @@ class Judge:
     output_from_kernels: bool = True  # every checked call's output was passed to a candidate launch
     clock: float = 0.0
     gpu: Any = None  # sandbox.DeviceLock of this GPU
+    memory: Any = None  # sandbox.MemoryLedger of this GPU, holding this job's estimate
     exclusive: bool = False  # hold the GPU alone for the whole job (a retry after out-of-memory)
 
     @property
@@ -110,6 +111,13 @@ class Judge:
         self.details.setdefault("hack_details", []).append(f"{code}: {detail}")
         if stop:
             raise Hacked(code, detail)
+
+    def spend(self, part: str, since: float) -> float:
+        """Add the seconds since `since` to `details.correctness_split_s[part]`; returns now."""
+        now = _perf()
+        split = self.details.setdefault("correctness_split_s", {})
+        split[part] = round(split.get(part, 0.0) + now - since, 4)
+        return now
 
     def mark(self, phase: str) -> None:
         now = _perf()
@@ -164,18 +172,12 @@ def new_reference(j: Judge):
     try:
         return copy.deepcopy(j.template)
     except Exception:
-        return _build(j, j.ref_mod.Model)
+        return _build_reference(j)
 
 
-def _build(j: Judge, cls):
-    import torch
-    torch.manual_seed(j.seed)
-    if j.cuda:
-        torch.cuda.manual_seed_all(j.seed)
-    init = list(j.ref_mod.get_init_inputs())
-    torch.manual_seed(j.seed)
-    model = cls(*init)
-    return model.to(j.device) if hasattr(model, "to") else model
+def _build_reference(j: Judge):
+    from drkernel.runner import build_model, init_inputs
+    return build_model(j.ref_mod.Model, init_inputs(j.ref_mod, j.seed), j.seed, j.device)
 
 
 def run_reference(j: Judge, inputs: list):
@@ -333,7 +335,6 @@ def setup(j: Judge) -> None:
         if j.device.index is None:
             j.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(j.device)
-        _lock_gpu(j, alone=j.exclusive)
     j.out["device"] = str(j.device)
     j.details["config"] = dict(j.cfg)
     j.out["timing"] = "cuda_events" if j.cuda else "cpu_wall"
@@ -349,10 +350,16 @@ def setup(j: Judge) -> None:
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
     try:
-        from drkernel.runner import _import
-        j.ref_mod = _import(j.reference_path, "_drk_judge_reference")
+        from drkernel.runner import import_file
+        j.ref_mod = import_file(j.reference_path, "_drk_judge_reference")
+    except Exception as exc:
+        raise Stop("runtime_error", _exc_error("the reference failed", exc)) from None
+    if j.cuda:  # memory first: waiting for it while holding the GPU lock could deadlock
+        _reserve_memory(j)
+        _lock_gpu(j, alone=j.exclusive)
+    try:
         with _shared(j):
-            j.template = _build(j, j.ref_mod.Model)
+            j.template = _build_reference(j)
             warm = gen_inputs(j, j.seed)
             ref_out = run_reference(j, warm)
     except Exception as exc:
@@ -542,10 +549,13 @@ def check_correctness(j: Judge) -> None:
 
 def _trial(j: Judge, ti: int, seed: int, signed: bool) -> None:
     """One correctness trial: the candidate on fresh inputs, then the reference on a copy."""
+    t = _perf()
     call = call_candidate(j, seed, "check", signed)
+    t = j.spend("candidate", t)
     pristine = call.inputs
     _trial_hacks(j, ti, call)
     ref = run_reference(j, _clone(pristine))
+    t = j.spend("reference", t)
     if signed and not all(bool(t.isfinite().all()) for t in compare.tensors(ref) if t.is_floating_point()):
         j.details.setdefault("trials", []).append({"trial": ti, "signed": True, "skipped": "reference not finite"})
         return
@@ -554,7 +564,10 @@ def _trial(j: Judge, ti: int, seed: int, signed: bool) -> None:
         if j.out["hacks"]:
             raise Hacked(j.out["hacks"][-1], j.details["hack_details"][-1])
         raise Stop("incorrect", f"trial {ti}: {str(call.reply['mismatch'])[:400]}")
-    _judge_values(j, ti, signed, committed(j, call), ref, pristine)
+    try:
+        _judge_values(j, ti, signed, committed(j, call), ref, pristine)
+    finally:
+        j.spend("checks", t)
 
 
 def _alone(j: Judge):
@@ -563,16 +576,67 @@ def _alone(j: Judge):
     return j.gpu.alone() if j.gpu is not None else contextlib.nullcontext()
 
 
+def _physical_gpu(j: Judge) -> int:
+    """The physical GPU, not the per-worker index (workers see one GPU each)."""
+    idx = j.device.index or 0
+    vis = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return int(vis[idx]) if idx < len(vis) and vis[idx].isdigit() else idx
+
+
 def _lock_gpu(j: Judge, alone: bool) -> None:
     """This job's lock on its physical GPU (held alone for the whole job on a retry)."""
     from drkernel.sandbox import DeviceLock
-    idx = j.device.index or 0
-    vis = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if idx < len(vis) and vis[idx].isdigit():
-        idx = int(vis[idx])  # the physical GPU, not the per-worker index
-    j.gpu = DeviceLock(idx)
+    j.gpu = DeviceLock(_physical_gpu(j))
     if alone:
         j.gpu.acquire(alone=True)
+
+
+def memory_estimate(ref_mod, total: int) -> int:
+    """GPU bytes one evaluation may hold at once: the reference's parameters three times (the
+    template, a fresh copy, the candidate's model), its inputs and outputs four times (the arena,
+    fresh inputs and the reference's copy, the reference's output and the committed clone) and 2 GiB
+    for the two CUDA contexts. Sizes come from the meta device (no memory, no work). A forward that
+    does not run there within two seconds (recurrent layers step by step) counts its output as large
+    as its inputs; a reference that cannot even be built there is assumed to need half the GPU."""
+    import torch
+    try:
+        with torch.device("meta"):
+            model = ref_mod.Model(*ref_mod.get_init_inputs())
+            inputs = list(ref_mod.get_inputs())
+        held = [*model.parameters(), *model.buffers()] if isinstance(model, torch.nn.Module) else []
+        params, ins = compare.nbytes(held), compare.nbytes(compare.tensors(inputs))
+    except Exception:
+        return total // 2
+    return 3 * params + 4 * (ins + _meta_output_bytes(model, inputs, ins)) + 2 * 2**30
+
+
+def _meta_output_bytes(model, inputs: list, fallback: int, limit_s: float = 2.0) -> int:
+    """Bytes of the reference's output on the meta device, or `fallback` when it cannot tell in time."""
+    import torch
+
+    def stop(signum, frame):
+        raise TimeoutError
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    try:
+        with torch.device("meta"):
+            return compare.nbytes(compare.tensors(model(*inputs)))
+    except Exception:
+        return fallback
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _reserve_memory(j: Judge) -> None:
+    """Wait until this job's memory estimate fits beside its neighbours' (`sandbox.MemoryLedger`)."""
+    import torch
+    from drkernel.sandbox import MemoryLedger
+    total = torch.cuda.get_device_properties(j.device).total_memory
+    need = memory_estimate(j.ref_mod, total)
+    j.memory = MemoryLedger(_physical_gpu(j), int(0.9 * total))
+    j.details["memory_estimate_gib"] = round(need / 2**30, 2)
+    j.details["memory_wait_s"] = round(j.memory.reserve(need), 3)
 
 
 def _shared(j: Judge):
@@ -787,6 +851,19 @@ def _stop_runner(j: Judge) -> None:
         time.sleep(0.001)
 
 
+def _free_gpu(j: Judge) -> None:
+    """This job's GPU memory freed before its share is given back, then its locks."""
+    j.template = j.arena = j.flush = None
+    j.in_views, j.out_views = [], []
+    gc.collect()
+    if j.memory is not None:
+        import torch
+        torch.cuda.empty_cache()
+        j.memory.release()
+    if j.gpu is not None:
+        j.gpu.close()
+
+
 def evaluate(reference_path: str, candidate_path: str, config: dict, runner_fd: int, runner_pid: int,
              runner_dir: str, exclusive: bool = False) -> dict:
     """The judge's sandbox target: every phase in order; returns EvalResult fields. `exclusive`
@@ -811,9 +888,7 @@ def evaluate(reference_path: str, candidate_path: str, config: dict, runner_fd: 
             "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), 1200)
     finally:
         _stop_runner(j)
-        if j.gpu is not None:
-            j.gpu.close()
-        gc.collect()
+        _free_gpu(j)
     if j.out["hacks"]:
         j.out["verdict"] = "hacked"
         j.out["error"] = "; ".join(j.details.get("hack_details", []))[:1000]

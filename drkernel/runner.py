@@ -129,7 +129,7 @@ class Runner:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
-        self.ref_mod = _import(msg["reference"], "_drk_runner_reference")
+        self.ref_mod = import_file(msg["reference"], "_drk_runner_reference")
         self.recorder = LaunchRecorder(msg["candidate"])
         self.candidate = msg["candidate"]
         return {"ok": True}
@@ -160,7 +160,7 @@ class Runner:
         torch = self.torch
         try:
             with torch.no_grad():
-                mod = _import(self.candidate, "_drk_candidate")
+                mod = import_file(self.candidate, "_drk_candidate")
         except BaseException as exc:  # noqa: BLE001 - any failure of untrusted code is a verdict
             return {"error": _describe(exc), "stage": "import"}
         cls = getattr(mod, "ModelNew", None)
@@ -170,15 +170,14 @@ class Runner:
             findings = self.integrity("after import")
         try:
             with torch.no_grad():
-                self.model = _build(cls, self._init_inputs(), self.seed, self.device)
+                self.model = build_model(cls, self._init_inputs(), self.seed, self.device)
                 findings += self.integrity("after construction")
         except BaseException as exc:  # noqa: BLE001
             return {"error": _describe(exc), "stage": "construct", "findings": findings}
         return {"ok": True, "findings": findings}
 
     def _init_inputs(self) -> list:
-        self.torch.manual_seed(self.seed)
-        return list(self.ref_mod.get_init_inputs())
+        return init_inputs(self.ref_mod, self.seed)
 
     # ---- calls --------------------------------------------------------------------------
 
@@ -316,7 +315,8 @@ class _NullForward:
         return self.outs[0] if len(self.outs) == 1 else tuple(self.outs)
 
 
-def _import(path: str, name: str):
+def import_file(path: str, name: str):
+    """A Python file imported as module `name` (the judge imports the reference with it too)."""
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load {path}")
@@ -326,7 +326,16 @@ def _import(path: str, name: str):
     return mod
 
 
-def _build(cls, init: list, seed: int, device):
+def init_inputs(ref_mod, seed: int) -> list:
+    """The reference's `get_init_inputs()` under `seed`."""
+    import torch
+    torch.manual_seed(seed)
+    return list(ref_mod.get_init_inputs())
+
+
+def build_model(cls, init: list, seed: int, device):
+    """`cls(*init)` on `device` under `seed`: the judge's reference and the runner's candidate
+    start from the same parameters."""
     import torch
     torch.manual_seed(seed)
     if device.type == "cuda":
@@ -338,6 +347,28 @@ def _build(cls, init: list, seed: int, device):
 def _describe(exc: BaseException) -> str:
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return f"{type(exc).__name__}: {exc}"[:600] + "\n" + tb[-800:]
+
+
+def preflight(candidate_path: str) -> dict:
+    """A sandbox target run before the judge's job, with no GPU visible: the candidate imported
+    once in a confined process of its own, so that a candidate that cannot even be imported costs
+    no GPU time. The answer is a self-report: a failure can only cost the candidate itself (the
+    evaluator accepts only failures that cannot depend on the missing GPU), and success decides
+    nothing."""
+    job_dir = os.getcwd()  # the sandbox child's own directory
+    report = confine.Confinement()
+    confine.enter_network_namespace(report)
+    confine.point_caches_at(job_dir)
+    confine.restrict(job_dir, report)
+    if not report.complete:
+        return {"skipped": "could not be confined"}
+    try:
+        import_file(candidate_path, "_drk_candidate")
+    except BaseException as exc:  # noqa: BLE001 - any failure of untrusted code is data
+        frames = traceback.extract_tb(exc.__traceback__)
+        here = bool(frames) and os.path.realpath(frames[-1].filename) == os.path.realpath(candidate_path)
+        return {"error": _describe(exc), "type": type(exc).__name__, "raised_in_candidate": here}
+    return {"ok": True}
 
 
 def main(sock_fd: int, job_dir: str) -> None:

@@ -12,6 +12,7 @@ Pieces:
   ``SandboxResult``. The zygote is restarted transparently if it dies.
 * ``SandboxPool`` -- several ForkServers (e.g. one per GPU) with an ordered ``map``.
 * ``DeviceLock`` -- a readers-writer ``flock`` per GPU: shared for GPU work, alone for timing.
+* ``MemoryLedger`` -- GPU memory promised to the jobs on one GPU; a job waits until its share fits.
 
 Protocol (parent <-> zygote): 8-byte big-endian length + UTF-8 JSON, over the zygote's
 stdin/stdout, which the zygote moves to private descriptors at start so that stray prints
@@ -881,6 +882,60 @@ class DeviceLock:
         for fd in (self._fd, self._gate):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+class MemoryLedger:
+    """GPU memory promised to the evaluations on one GPU, across processes: each holder writes
+    its estimate to a file named after its pid; the sum over live pids is what is promised. A
+    job is admitted when its estimate fits beside the others' (or when it would be alone), so
+    that concurrent jobs do not run each other out of memory. A holder that dies without
+    releasing frees its share, since its pid is gone."""
+
+    def __init__(self, index: int | str, capacity_bytes: int):
+        self.dir = os.path.join(os.environ.get("DRKERNEL_LOCK_DIR", "/tmp"), f"drkernel-device-{index}.memory")
+        os.makedirs(self.dir, exist_ok=True)
+        self.capacity = int(capacity_bytes)
+        self.mine = os.path.join(self.dir, str(os.getpid()))
+
+    def _others(self) -> int:
+        """Bytes promised to other live processes (files of dead ones are removed)."""
+        total = 0
+        for name in os.listdir(self.dir):
+            if not name.isdigit() or int(name) == os.getpid():
+                continue
+            try:
+                os.kill(int(name), 0)
+                with open(os.path.join(self.dir, name)) as fh:
+                    total += int(fh.read() or 0)
+            except ProcessLookupError:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(self.dir, name))
+            except (OSError, ValueError):
+                continue
+        return total
+
+    def reserve(self, nbytes: int, poll_s: float = 0.05) -> float:
+        """Wait until `nbytes` fit beside what the others hold; returns the seconds waited."""
+        t0 = time.monotonic()
+        guard = os.open(self.dir + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            while True:
+                fcntl.flock(guard, fcntl.LOCK_EX)
+                try:
+                    others = self._others()
+                    if others == 0 or others + nbytes <= self.capacity:
+                        with open(self.mine, "w") as fh:
+                            fh.write(str(int(nbytes)))
+                        return time.monotonic() - t0
+                finally:
+                    fcntl.flock(guard, fcntl.LOCK_UN)
+                time.sleep(poll_s)
+        finally:
+            os.close(guard)
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.mine)
 
 
 @contextlib.contextmanager

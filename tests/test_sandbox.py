@@ -213,6 +213,37 @@ def test_device_lock_excludes(tmp_path, monkeypatch):
         pass
 
 
+def test_memory_ledger_admits_what_fits_and_forgets_the_dead(tmp_path, monkeypatch):
+    import subprocess
+    import threading
+
+    from drkernel.sandbox import MemoryLedger
+
+    monkeypatch.setenv("DRKERNEL_LOCK_DIR", str(tmp_path))
+    ledger = MemoryLedger(0, capacity_bytes=100)
+    assert ledger.reserve(500) < 0.5  # alone on the GPU: admitted whatever it asks
+    ledger.release()
+    neighbour = subprocess.Popen(["sleep", "30"])
+    try:
+        (Path(ledger.dir) / str(neighbour.pid)).write_text("70")  # a live neighbour holds 70
+        assert ledger.reserve(30) < 0.5  # 70 + 30 fits
+        ledger.release()
+        admitted = threading.Event()
+        waiter = threading.Thread(target=lambda: (ledger.reserve(40, poll_s=0.01), admitted.set()))
+        waiter.start()
+        assert not admitted.wait(0.3)  # 70 + 40 does not
+        neighbour.kill()
+        neighbour.wait()
+        assert admitted.wait(5)  # its share went with it
+        waiter.join()
+        assert not (Path(ledger.dir) / str(neighbour.pid)).exists()
+        assert (Path(ledger.dir) / str(os.getpid())).read_text() == "40"
+    finally:
+        neighbour.kill()
+        ledger.release()
+    assert not (Path(ledger.dir) / str(os.getpid())).exists()
+
+
 def test_cpu_time_limit(server):
     r = server.run(T + "busy_loop", limits=SandboxLimits(timeout_s=20, cpu_time_s=1))
     assert r.status == "timeout" and r.signal == signal.SIGXCPU and "CPU time" in r.error

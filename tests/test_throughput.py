@@ -2,7 +2,8 @@
 
 import pytest
 
-from drkernel.evaluator import Evaluator, default_workers_per_gpu
+from drkernel.evaluator import EvalResult, Evaluator, _preflight_verdict, _Run, default_workers_per_gpu, rerun_alone
+from drkernel.sandbox import SandboxResult
 from tests.test_evaluator import EMBED, LEGIT_RELU, TASKS, cfg, relu_candidate
 
 RELU = (TASKS / "1_ReLU.py").read_text()
@@ -14,6 +15,7 @@ MIXED = [
     (RELU, relu_candidate("import os\nos._exit(3)")),  # crashed
     ((TASKS / "7_Embedding_Gather.py").read_text(), EMBED),
     (RELU, relu_candidate("y = launch(x)\nx.zero_()\nreturn y")),  # hacked: input_mutated
+    (RELU, "import torch\nBLOCK = UNDEFINED_SIZE\nclass ModelNew(torch.nn.Module):\n    pass\n"),  # compile_error
 ]
 
 
@@ -50,3 +52,103 @@ def test_cache_answers_repeats_and_stamps_the_environment(tmp_path):
                                                    (64, 1, 40, 1), (64, 1, 80, 2)])
 def test_default_workers_per_gpu(cpus, gpus, mem, want):
     assert default_workers_per_gpu(cpus, gpus, mem) == want
+
+
+def test_an_import_failure_is_decided_before_any_judge_or_gpu():
+    """A module-level error in the candidate's own code ends in the GPU-less pre-flight import;
+    an import that fails only for want of a GPU is left to the full job."""
+    own_error = "import torch\nBLOCK = UNDEFINED_SIZE\nclass ModelNew(torch.nn.Module):\n    pass\n"
+    needs_gpu = "import torch\nP = torch.cuda.get_device_properties(0)\nclass ModelNew(torch.nn.Module):\n    pass\n"
+    with Evaluator(cfg()) as ev:
+        own, gpu = ev.evaluate_many([(RELU, own_error), (RELU, needs_gpu)])
+    assert own.verdict == "compile_error" and "NameError" in own.error and own.details.get("preflight")
+    assert "phase_s" not in own.details  # no judge ran
+    assert not gpu.details.get("preflight") and "phase_s" in gpu.details
+
+
+@pytest.mark.parametrize("value, decided", [
+    ({"type": "NameError", "raised_in_candidate": True, "error": "x"}, "compile_error"),
+    ({"type": "ModuleNotFoundError", "raised_in_candidate": True, "error": "x"}, "compile_error"),
+    ({"type": "NameError", "raised_in_candidate": False, "error": "x"}, None),  # raised inside a library
+    ({"type": "RuntimeError", "raised_in_candidate": True, "error": "no CUDA GPUs"}, None),
+    ({"type": "NameError", "raised_in_candidate": "yes"}, None),  # only a real True is believed
+    ({"ok": True}, None),
+    ("not a dict", None),
+])
+def test_preflight_verdict_believes_only_gpu_independent_failures(value, decided):
+    res = _preflight_verdict(SandboxResult(status="ok", value=value))
+    assert (res.verdict if res else None) == decided
+
+
+def test_preflight_timeout_and_crash():
+    assert _preflight_verdict(SandboxResult(status="timeout")).verdict == "timeout"
+    assert _preflight_verdict(SandboxResult(status="signal", signal=11)) is None  # left to the full job
+
+
+def _run(verdict="correct", hacks=(), start=0.0, end=1.0, error=None, **details):
+    return _Run(EvalResult(verdict=verdict, hacks=list(hacks), error=error, details=details), start, end)
+
+
+def test_rerun_alone_picks_what_a_neighbour_could_have_caused():
+    runs = [_run(),                                                                   # 0 clean
+            _run("crashed", error="torch.OutOfMemoryError: CUDA out of memory"),      # 1 OOM
+            _run("timeout"),                                                          # 2 waited too long
+            _run("timeout", preflight=True),                                          # 3 decided without a GPU
+            _run("hacked", ["reference_slowed"]),                                     # 4 timing-based code
+            _run("hacked", ["no_triton_kernel"])]                                     # 5 a code about itself
+    for k, run in enumerate(runs):  # one after another: no job overlaps another
+        run.start, run.end = 10.0 * k, 10.0 * k + 5
+    assert sorted(rerun_alone(runs)) == [1, 2, 4]
+
+
+def test_rerun_alone_takes_every_job_that_overlapped_an_escaping_candidate():
+    runs = [_run("hacked", ["thread_spawned"], 10.0, 20.0),  # its own verdict stands
+            _run("correct", (), 5.0, 11.0),                   # overlapped: re-run
+            _run("incorrect", (), 19.0, 30.0),                # overlapped: re-run
+            _run("correct", (), 0.0, 9.0),                    # before it: kept
+            _run("correct", (), 21.0, 25.0)]                  # after it: kept
+    why = rerun_alone(runs)
+    assert sorted(why) == [1, 2] and "thread_spawned" in why[1]
+
+
+class _Ref:
+    """A reference module, as the judge imports one."""
+
+    def __init__(self, model_cls, init, inputs):
+        self.Model, self._init, self._inputs = model_cls, init, inputs
+
+    def get_init_inputs(self):
+        return self._init
+
+    def get_inputs(self):
+        return [f() for f in self._inputs]
+
+
+def test_memory_estimate_counts_parameters_inputs_and_outputs_without_memory():
+    import time
+
+    import torch
+
+    from drkernel.judge import memory_estimate
+    gib = 2**30
+    linear = _Ref(torch.nn.Linear, [1024, 2048], [lambda: torch.rand(4096, 1024)])
+    params = (1024 * 2048 + 2048) * 4
+    io = 4096 * 1024 * 4 + 4096 * 2048 * 4
+    memory_estimate(linear, 100 * gib)  # a first meta call may be slow on a loaded machine
+    assert memory_estimate(linear, 100 * gib) == 3 * params + 4 * io + 2 * gib
+
+    class Slow(torch.nn.Module):
+        def forward(self, x):
+            time.sleep(5)
+            return torch.cat([x, x])
+
+    slow = _Ref(Slow, [], [lambda: torch.rand(1 << 20)])
+    t0 = time.perf_counter()
+    assert memory_estimate(slow, 100 * gib) == 4 * (2 * 4 << 20) + 2 * gib  # output taken as large as the input
+    assert time.perf_counter() - t0 < 3
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            raise RuntimeError("needs a GPU")
+
+    assert memory_estimate(_Ref(Broken, [], []), 100 * gib) == 50 * gib
