@@ -186,7 +186,7 @@ def print_time_split(passes: list[Pass]) -> None:
 def summary(args, candidates: list[Candidate], passes: list[Pass], diffs: list[Difference],
             surprises: list[tuple[str, str, str]]) -> dict:
     cold = [p for p in passes if p.cache == "cold"]
-    warm = next(p for p in passes if p.cache == "warm")
+    warm = next((p for p in passes if p.cache == "warm"), None)
     best = max(cold, key=lambda p: p.per_minute)
     return {
         "config": vars(args), "environment": fingerprint(args.device), "composition": composition(candidates),
@@ -199,13 +199,18 @@ def summary(args, candidates: list[Candidate], passes: list[Pass], diffs: list[D
                                 for r in p.results]} for p in passes],
         "best_workers": best.workers,
         "cache": {"workers": warm.workers, "hit_rate": warm.hit_rate, "speedup_vs_best": best.wall_s / warm.wall_s,
-                  "speedup_vs_1_worker": cold[0].wall_s / warm.wall_s},
+                  "speedup_vs_1_worker": cold[0].wall_s / warm.wall_s} if warm else None,  # None: cut short
         "differences": [dataclasses.asdict(d) for d in diffs],
         "unexpected": [{"name": n, "expected": e, "got": g} for n, e, g in surprises],
     }
 
 
 # ----------------------------------------------------------------------------- main
+
+def write_json(path: Path, result: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=repr))
+
 
 def default_kernelbench() -> str:
     local = ROOT / ".bench_data" / "kernelbench"
@@ -252,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
         for w in workers:
             passes.append(evaluate_pass(cfg, w, pairs, run_dir / f"workers{w}", "cold"))
             print(f"  {w} worker(s): {passes[-1].wall_s:.1f} s", flush=True)
+            diffs = [d for p in passes[1:] for d in compare(passes[0], p, candidates)]
+            write_json(Path(args.json), summary(args, candidates, passes, diffs, []))  # kept if cut short
         best = max(passes, key=lambda p: p.per_minute)
         passes.append(evaluate_pass(cfg, best.workers, pairs, run_dir / "workers1", "warm"))
         diffs = [d for p in passes[1:] for d in compare(passes[0], p, candidates)]
@@ -262,8 +269,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(run_dir if args.cache_dir else root, ignore_errors=True)
     out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=repr))
+    write_json(out, result)
     print(f"cache pass ({result['cache']['workers']} workers): {result['cache']['speedup_vs_best']:.1f}x the best "
           f"uncached pass, hit rate {result['cache']['hit_rate']:.2f}\nwrote {out}")
     return result
