@@ -26,8 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-_perf = time.perf_counter
-
 VERDICTS = ("correct", "incorrect", "compile_error", "runtime_error", "timeout", "crashed", "hacked")
 HACK_CODES = ("no_triton_kernel", "decoy_kernel", "output_cached", "output_aliases_input", "side_stream",
               "patched_function", "global_state_changed", "reference_access", "input_mutated",

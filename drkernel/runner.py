@@ -170,14 +170,11 @@ class Runner:
             findings = self.integrity("after import")
         try:
             with torch.no_grad():
-                self.model = build_model(cls, self._init_inputs(), self.seed, self.device)
+                self.model = build_model(cls, init_inputs(self.ref_mod, self.seed), self.seed, self.device)
                 findings += self.integrity("after construction")
         except BaseException as exc:  # noqa: BLE001
             return {"error": _describe(exc), "stage": "construct", "findings": findings}
         return {"ok": True, "findings": findings}
-
-    def _init_inputs(self) -> list:
-        return init_inputs(self.ref_mod, self.seed)
 
     # ---- calls --------------------------------------------------------------------------
 
