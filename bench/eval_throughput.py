@@ -4,16 +4,19 @@ each worker count, every difference from 1 worker, then the same set again throu
 The set (`bench/candidates.py`): our solutions, their corrupted variants and the hack, legit and
 fault fixtures, `--size` of them. Each worker count gets a fresh Evaluator and a fresh, empty
 cache directory (so every pass pays for every evaluation, whatever the cache's default); the
-1-worker pass is the reference. Then a warm pass with the fastest worker count reads the cache
-the 1-worker pass filled: its speed-up factor and hit rate. Candidates per minute count
+1-worker pass is the reference (`--baseline`: an earlier run's, not run again). Then a warm pass
+with the fastest worker count reads the cache the first pass run here filled: its speed-up factor
+and hit rate. Candidates per minute count
 `evaluate_many` alone; starting the workers is reported apart (`startup_s`).
 
 Printed: candidates per minute per worker count; every verdict or hack code that differs from
 1 worker, every speedup more than 3 % off (`!!` beyond 10 %); candidates whose verdict is not
 the one expected. JSON with every result: `--json` (default `$OUT/eval_throughput.json`).
 
-Also printed: seconds per judge phase summed over each pass's candidates, the correctness phase
-split into candidate calls, reference runs and checks, and how many results were re-run alone.
+Also printed: seconds per judge phase summed over each pass's candidates, the same seconds by
+kind of work (`details.split_s`: making inputs, candidate calls, reference runs, comparisons), the
+seconds spent waiting for the GPU lock (shared and alone) and for GPU memory, and how many
+results were re-run alone.
 
     python bench/eval_throughput.py --kernelbench .bench_data/kernelbench --workers 1,2,4,6    # GPU
     python bench/eval_throughput.py --device cpu --shrink --workers 1,2 --size 40 \\
@@ -42,7 +45,8 @@ from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device
 
 SPEEDUP_TOLERANCE = 0.03  # a speedup further than this from 1 worker's is listed
 SPEEDUP_FLAG = 0.10  # and flagged beyond this
-DETAILS = ("phase_s", "correctness_split_s", "retried_alone", "preflight", "timed_calls")  # kept per result
+DETAILS = ("phase_s", "split_s", "lock_wait_s", "memory_wait_s", "overhead_s", "retried_alone", "preflight",
+           "timed_calls")  # kept per result
 
 
 @dataclasses.dataclass
@@ -100,6 +104,18 @@ def evaluate_pass(cfg: EvalConfig, workers: int, pairs: list[tuple[str, str]], c
         results = ev.evaluate_many(pairs)
         wall = time.perf_counter() - t0
     return Pass(workers, label, startup, wall, results)
+
+
+def baseline_pass(path: str, candidates: list[Candidate]) -> Pass:
+    """The 1-worker cold pass of an earlier run's JSON (same candidate set), as the reference."""
+    data = json.loads(Path(path).read_text())
+    if [c["name"] for c in data["candidates"]] != [c.name for c in candidates]:
+        raise SystemExit(f"--baseline {path}: its candidate set differs from this one")
+    p = next(p for p in data["passes"] if p["workers"] == 1 and p["cache"] == "cold")
+    results = [EvalResult(verdict=r["verdict"], hacks=r["hacks"], speedup=r["speedup"],
+                          speedup_interval=r.get("speedup_interval"), wall_s=r["wall_s"],
+                          details={k: r.get(k) for k in DETAILS}) for r in p["results"]]
+    return Pass(1, "cold", p["startup_s"], p["wall_s"], results)
 
 
 def compare(reference: Pass, other: Pass, candidates: list[Candidate]) -> list[Difference]:
@@ -178,9 +194,14 @@ def print_time_split(passes: list[Pass]) -> None:
         if p.cache != "cold":
             continue
         phases = ", ".join(f"{k} {v:.1f}" for k, v in _summed(p.results, "phase_s").items())
-        split = ", ".join(f"{k} {v:.1f}" for k, v in _summed(p.results, "correctness_split_s").items())
+        split = ", ".join(f"{k} {v:.1f}" for k, v in _summed(p.results, "split_s").items())
+        waits = ", ".join(f"{k} {v:.1f}" for k, v in _summed(p.results, "lock_wait_s").items())
+        memory = sum(r.details.get("memory_wait_s") or 0.0 for r in p.results)
+        outside = ", ".join(f"{k} {v:.1f}" for k, v in _summed(p.results, "overhead_s").items())
         retried = sum(bool(r.details.get("retried_alone")) for r in p.results)
-        print(f"{p.label}: job seconds by phase: {phases}; correctness: {split}; re-run alone: {retried}")
+        print(f"{p.label}: job seconds by phase: {phases}\n  by kind of work: {split}\n  waiting for the GPU "
+              f"lock: {waits}; for memory: {memory:.1f}; re-run alone: {retried}\n  pre-flight and sandbox "
+              f"job seconds: {outside}")
 
 
 def summary(args, candidates: list[Candidate], passes: list[Pass], diffs: list[Difference],
@@ -228,6 +249,8 @@ def parse_args(argv: list[str] | None):
     for name, kind in (("trials", int), ("perf-trials", int), ("cpu-perf-trials", int), ("warmup", int),
                        ("timeout", float)):
         ap.add_argument(f"--{name}", type=kind, help="EvalConfig field (its default when left out)")
+    ap.add_argument("--baseline", default="", help="an earlier run's JSON whose 1-worker pass stands in for "
+                    "running one here (same candidate set)")
     ap.add_argument("--cache-dir", default="", help="where the cache directories go (default: a temporary one)")
     default_json = Path(os.environ["OUT"]) / "eval_throughput.json" if os.environ.get("OUT") else \
         ROOT / "runs" / "bench" / "eval_throughput.json"
@@ -253,14 +276,15 @@ def main(argv: list[str] | None = None) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="run_", dir=root))
     try:
-        passes = []
-        for w in workers:
+        passes = [baseline_pass(args.baseline, candidates)] if args.baseline else []
+        for w in workers[1:] if args.baseline else workers:
             passes.append(evaluate_pass(cfg, w, pairs, run_dir / f"workers{w}", "cold"))
             print(f"  {w} worker(s): {passes[-1].wall_s:.1f} s", flush=True)
             diffs = [d for p in passes[1:] for d in compare(passes[0], p, candidates)]
             write_json(Path(args.json), summary(args, candidates, passes, diffs, []))  # kept if cut short
-        best = max(passes, key=lambda p: p.per_minute)
-        passes.append(evaluate_pass(cfg, best.workers, pairs, run_dir / "workers1", "warm"))
+        best = max(passes[1:] if args.baseline else passes, key=lambda p: p.per_minute)
+        filled = run_dir / f"workers{passes[1].workers if args.baseline else 1}"
+        passes.append(evaluate_pass(cfg, best.workers, pairs, filled, "warm"))
         diffs = [d for p in passes[1:] for d in compare(passes[0], p, candidates)]
         surprises = unexpected(candidates, passes[0].results)
         print_report(passes, diffs, surprises)

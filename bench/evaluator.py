@@ -44,7 +44,7 @@ def _row(label: str, results: list) -> dict:
                 error=(last.error or "")[:200], ref_ms=last.ref_ms, candidate_ms=last.candidate_ms,
                 ref_ms_isolated=last.details.get("ref_ms_isolated"), speedups=speedups, wall_s=walls,
                 median_wall_s=statistics.median(walls), triton_time_share=last.triton_time_share,
-                phase_s=last.details.get("phase_s"), correctness_split_s=last.details.get("correctness_split_s"),
+                phase_s=last.details.get("phase_s"), split_s=last.details.get("split_s"),
                 spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)
 
 

@@ -324,9 +324,8 @@ def main(argv=None) -> int:
         }
         try:
             for _ in range(args.steps):
-                m = trainer.train_step()
+                m, rows = trainer.train_step()
                 trainer.logger.log(m, trainer.step)  # metrics.jsonl, as train() writes it
-                rows = getattr(trainer, "_last_rows", [])
                 verdicts = collections.Counter(f"turn{r['turn']}:{r['verdict']}" for r in rows)
                 steps.append({
                     "step": trainer.step, "phases_s": phase_seconds(m),

@@ -7,9 +7,9 @@ slots against the reference it computed itself. The phases, one function each, s
 
 1. `setup`: device, true fp32, the reference imported and built once (a never-run template from
    which every later reference is copied), the output layout;
-2. `time_reference_alone`: the reference timed before any candidate code exists (guard against a
+2. `attach_runner`: the arena shared, the runner confined (its report in `details.confinement`);
+3. `time_reference_alone`: the reference timed before any candidate code exists (guard against a
    candidate that slows the reference) and the device copy bandwidth (roofline);
-3. `attach_runner`: the arena shared, the runner confined (its report in `details.confinement`);
 4. `calibrate`: trusted null calls through the runner give the judge's clock overhead per call;
 5. `load_candidate`: the runner imports the candidate and builds `ModelNew`;
 6. `check_correctness`: trials on fresh uniform and signed-normal inputs;
@@ -20,7 +20,10 @@ slots against the reference it computed itself. The phases, one function each, s
 9. `check_decoy`: the candidate once more with its Triton launches turned into no-ops;
 10. `final`: the runner's last integrity report.
 
-A phase ends the evaluation by raising `Stop` (a plain verdict) or `Hacked`.
+On a GPU shared by several evaluations (`sandbox.DeviceLock`), phases 3-4 and 7-8 each run in
+one hold of the GPU alone (a job waits for the GPU twice, not once per phase); every other piece
+of GPU work holds it shared, one short burst at a time. A phase ends the evaluation by raising
+`Stop` (a plain verdict) or `Hacked`.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class Judge:
     gpu: Any = None  # sandbox.DeviceLock of this GPU
     memory: Any = None  # sandbox.MemoryLedger of this GPU, holding this job's estimate
     exclusive: bool = False  # hold the GPU alone for the whole job (a retry after out-of-memory)
+    defer: bool = False  # give the job back at once when its GPU memory does not fit (the caller requeues it)
 
     @property
     def details(self) -> dict:
@@ -113,9 +117,10 @@ class Judge:
             raise Hacked(code, detail)
 
     def spend(self, part: str, since: float) -> float:
-        """Add the seconds since `since` to `details.correctness_split_s[part]`; returns now."""
+        """Add the seconds since `since` to `details.split_s[part]` (where the job's time goes by
+        kind of work, across phases); returns now."""
         now = _perf()
-        split = self.details.setdefault("correctness_split_s", {})
+        split = self.details.setdefault("split_s", {})
         split[part] = round(split.get(part, 0.0) + now - since, 4)
         return now
 
@@ -274,15 +279,17 @@ def _write_inputs(j: Judge, inputs: list) -> None:
 
 def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False) -> Call:
     """Fresh inputs into the arena, slots poisoned, L2 flushed; then one call, timed by this clock."""
+    t = _perf()
     inputs = gen_inputs(j, seed, signed)
     _write_inputs(j, inputs)
     _poison_slots(j)
     if j.flush is not None:
         j.flush.fill_(float(seed % 7))
     _sync(j.device)
-    t0 = _perf()
+    t0 = j.spend("inputs", t)
     reply = j.ask({"op": "call", "mode": mode})
     wall = (_perf() - t0) * 1e3
+    j.spend("candidate", t0)
     if "error" in reply:
         raise _runner_error(reply, "forward raised")
     return Call(reply=reply, wall_ms=wall, inputs=inputs)
@@ -312,9 +319,11 @@ def _rebuild(struct, ts):
 
 def verify(j: Judge, call: Call, label: str, code: str = "output_cached") -> None:
     """The committed output of a call against the reference on the same inputs."""
+    t = _perf()
     out = committed(j, call)
     ref = run_reference(j, _clone(call.inputs))
     cmp = compare.compare(out, ref, j.cfg) if out is not None else {"ok": False, "why": call.reply["mismatch"]}
+    j.spend("verify", t)
     if not cmp["ok"]:
         j.hack(code, f"{label}: the output is stale or wrong for its fresh inputs ({cmp['why']})")
 
@@ -399,9 +408,8 @@ def _time_reference(j: Judge, seeds: list[int]) -> list[float]:
 
 def time_reference_alone(j: Judge) -> None:
     n = max(1, min(j.perf_n, int(j.cfg["ref_isolated_trials"])))
-    with _alone(j):
-        j.ref_alone_ms = median(_time_reference(j, [j.seed + 100000 + i for i in range(n)]))
-        j.bandwidth = _copy_bandwidth(j.device) if j.cuda else None
+    j.ref_alone_ms = median(_time_reference(j, [j.seed + 100000 + i for i in range(n)]))
+    j.bandwidth = _copy_bandwidth(j.device) if j.cuda else None
     j.details["ref_ms_isolated"] = j.ref_alone_ms
     j.details["io_bytes"] = j.io_bytes
     if j.cuda:
@@ -438,13 +446,12 @@ def calibrate(j: Judge) -> None:
     adds to the runner's own time per call (messages, the commit copy, the sync)."""
     n = 10 if j.cuda else 3
     residuals = []
-    with _alone(j):
-        for i in range(n):
-            c = call_candidate(j, j.seed + 900000 + i, "null")
-            ms = ipc.number(c.reply, "ms")
-            if ms is None:
-                raise Stop("runtime_error", "the runner's calibration call returned no time")
-            residuals.append(c.wall_ms - ms)
+    for i in range(n):
+        c = call_candidate(j, j.seed + 900000 + i, "null")
+        ms = ipc.number(c.reply, "ms")
+        if ms is None:
+            raise Stop("runtime_error", "the runner's calibration call returned no time")
+        residuals.append(c.wall_ms - ms)
     j.overhead_ms = median(residuals)
     j.details["clock_overhead_ms"] = j.overhead_ms
     j.mark("calibrate")
@@ -459,7 +466,8 @@ def _findings(j: Judge, reply: dict) -> None:
 
 
 def load_candidate(j: Judge) -> None:
-    reply = j.ask({"op": "load"})
+    with _shared(j):  # importing and building may already run candidate GPU work
+        reply = j.ask({"op": "load"})
     if reply.get("stage") == "import":
         raise Stop("compile_error", "candidate failed to import: " + str(reply.get("error"))[:1400])
     j.out["compiled"] = True
@@ -511,9 +519,11 @@ def _mutations(j: Judge, ti: int, call: Call, pristine: list) -> None:
         j.hack("output_aliases_input", f"trial {ti}: output shares storage with an input", stop=False)
 
 
-def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list) -> None:
+def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, degenerate: bool) -> None:
     import torch
+    t = _perf()
     cmp = compare.compare(out, ref, j.cfg)
+    t = j.spend("compare", t)
     j.out["trials"] += 1
     j.details.setdefault("trials", []).append({"trial": ti, "signed": signed, "ok": cmp["ok"],
                                                "max_abs": cmp["max_abs"], "rel_l2": cmp["rel_l2"]})
@@ -522,7 +532,8 @@ def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list) -> 
         j.out["max_rel_err"] = max(j.out.get("max_rel_err") or 0.0, cmp["max_rel"])
     if j.out["hacks"]:
         raise Hacked(j.out["hacks"][-1], j.details["hack_details"][-1])
-    deg = compare.degenerate(out, ref, pristine, j.cfg)
+    deg = compare.degenerate(out, ref, pristine, j.cfg) if degenerate or not cmp["ok"] else None
+    j.spend("degenerate", t)
     if deg:
         j.hack("degenerate_output", f"trial {ti}: {deg}")
     if cmp["ok"]:
@@ -540,34 +551,35 @@ def check_correctness(j: Judge) -> None:
     n = int(j.cfg["trials"])
     n_signed = (2 if n >= 4 else 1) if j.cfg["second_distribution"] else 0
     plan = [(j.seed + 1 + i, False) for i in range(n)] + [(j.seed + 5000 + i, True) for i in range(n_signed)]
+    # The degenerate check (two passes over multi-GB outputs) runs on every signed trial, where
+    # trivial answers differ most from the reference, on one uniform trial the candidate cannot
+    # predict, and on a failing trial (the last one).
+    checked = set(range(n, n + n_signed)) | {random.SystemRandom().randrange(max(1, n))}
     for ti, (seed, signed) in enumerate(plan):
         with _shared(j):
-            _trial(j, ti, seed, signed)
+            _trial(j, ti, seed, signed, degenerate=ti in checked)
     j.details["launched_kernels"] = sorted(j.kernels)
     j.mark("correctness")
 
 
-def _trial(j: Judge, ti: int, seed: int, signed: bool) -> None:
+def _trial(j: Judge, ti: int, seed: int, signed: bool, degenerate: bool) -> None:
     """One correctness trial: the candidate on fresh inputs, then the reference on a copy."""
-    t = _perf()
     call = call_candidate(j, seed, "check", signed)
-    t = j.spend("candidate", t)
     pristine = call.inputs
     _trial_hacks(j, ti, call)
+    t = _perf()
     ref = run_reference(j, _clone(pristine))
     t = j.spend("reference", t)
-    if signed and not all(bool(t.isfinite().all()) for t in compare.tensors(ref) if t.is_floating_point()):
+    if signed and not all(bool(x.isfinite().all()) for x in compare.tensors(ref) if x.is_floating_point()):
         j.details.setdefault("trials", []).append({"trial": ti, "signed": True, "skipped": "reference not finite"})
         return
     _mutations(j, ti, call, pristine)
+    j.spend("mutations", t)
     if "mismatch" in call.reply:
         if j.out["hacks"]:
             raise Hacked(j.out["hacks"][-1], j.details["hack_details"][-1])
         raise Stop("incorrect", f"trial {ti}: {str(call.reply['mismatch'])[:400]}")
-    try:
-        _judge_values(j, ti, signed, committed(j, call), ref, pristine)
-    finally:
-        j.spend("checks", t)
+    _judge_values(j, ti, signed, committed(j, call), ref, pristine, degenerate)
 
 
 def _alone(j: Judge):
@@ -634,9 +646,13 @@ def _reserve_memory(j: Judge) -> None:
     from drkernel.sandbox import MemoryLedger
     total = torch.cuda.get_device_properties(j.device).total_memory
     need = memory_estimate(j.ref_mod, total)
-    j.memory = MemoryLedger(_physical_gpu(j), int(0.9 * total))
+    j.memory = MemoryLedger(_physical_gpu(j), int(0.8 * total))  # the rest: contexts of jobs not yet admitted
     j.details["memory_estimate_gib"] = round(need / 2**30, 2)
-    j.details["memory_wait_s"] = round(j.memory.reserve(need), 3)
+    waited = j.memory.reserve(need, wait=not j.defer)
+    if waited is None:
+        j.details["deferred"] = {"memory_bytes": need, "capacity_bytes": j.memory.capacity, "gpu": _physical_gpu(j)}
+        raise Stop("crashed", "deferred: the GPU memory this job needs is promised to other jobs")
+    j.details["memory_wait_s"] = round(waited, 3)
 
 
 def _shared(j: Judge):
@@ -719,19 +735,18 @@ def time_interleaved(j: Judge) -> None:
     size = max(1, min(int(j.cfg["timing_block_calls"]), j.perf_n))
     pick = random.SystemRandom()
     ref_ms, events, walls = [], [], []
-    with _alone(j):
-        for b, start in enumerate(range(0, j.perf_n, size)):
-            idx = range(start, min(start + size, j.perf_n))
-            for side in (("ref", "cand") if b % 2 == 0 else ("cand", "ref")):
-                if side == "ref":
-                    ref_ms += _time_reference(j, [j.seed + 100000 + i for i in idx])
-                    continue
-                e, w = _time_candidate(j, [j.seed + 300000 + i for i in idx], {pick.randrange(len(idx))},
-                                       f"timed (block {b})")
-                events += e
-                walls += w
-            if b % 2 == 1 and _precise_enough(j, ref_ms, events):
-                break
+    for b, start in enumerate(range(0, j.perf_n, size)):
+        idx = range(start, min(start + size, j.perf_n))
+        for side in (("ref", "cand") if b % 2 == 0 else ("cand", "ref")):
+            if side == "ref":
+                ref_ms += _time_reference(j, [j.seed + 100000 + i for i in idx])
+                continue
+            e, w = _time_candidate(j, [j.seed + 300000 + i for i in idx], {pick.randrange(len(idx))},
+                                   f"timed (block {b})")
+            events += e
+            walls += w
+        if b % 2 == 1 and _precise_enough(j, ref_ms, events):
+            break
     j.out["ref_ms"] = median(ref_ms)
     cand_ms = _accepted_ms(j, events, walls)
     _check_reference_slowed(j)
@@ -761,8 +776,7 @@ def _roofline(j: Judge, cand_ms: float) -> float:
     if not fast and not (cand_ms > 0 and j.out["ref_ms"] / cand_ms > j.cfg["max_speedup_recheck"]):
         return cand_ms
     n = min(j.perf_n, 10)
-    with _alone(j):
-        events, walls = _time_candidate(j, [j.seed + 400000 + i for i in range(n)], set(range(n)), "re-timed")
+    events, walls = _time_candidate(j, [j.seed + 400000 + i for i in range(n)], set(range(n)), "re-timed")
     j.details["recheck_ms"] = _accepted_ms(j, events, walls)
     cand_ms = max(cand_ms, j.details["recheck_ms"])
     if roof is not None and cand_ms < j.cfg["roofline_factor"] * roof:
@@ -778,8 +792,7 @@ def profile(j: Judge) -> None:
     inputs = gen_inputs(j, j.seed + 500000)
     _write_inputs(j, inputs)
     _sync(j.device)
-    with _alone(j):
-        reply = j.ask({"op": "profile", "kernels": sorted(j.kernels), "calls": 5})
+    reply = j.ask({"op": "profile", "kernels": sorted(j.kernels), "calls": 5})
     prof = reply.get("profile") if isinstance(reply.get("profile"), dict) else None
     if "error" in reply:
         j.details["profile_error"] = str(reply["error"])[:300]
@@ -818,8 +831,19 @@ def final(j: Judge) -> None:
     j.out["verdict"] = "correct"
 
 
-PHASES = (setup, time_reference_alone, attach_runner, calibrate, load_candidate, check_correctness,
-          time_interleaved, profile, check_decoy, final)
+# In order; the phases of a tuple run in one hold of the GPU alone (their numbers enter the verdict).
+PHASES = (setup, attach_runner, (time_reference_alone, calibrate), load_candidate, check_correctness,
+          (time_interleaved, profile), check_decoy, final)
+
+
+def _run_phases(j: Judge) -> None:
+    for step in PHASES:
+        if isinstance(step, tuple):
+            with _alone(j):
+                for phase in step:
+                    phase(j)
+        else:
+            step(j)
 
 
 # ======================================================================================
@@ -861,23 +885,25 @@ def _free_gpu(j: Judge) -> None:
         torch.cuda.empty_cache()
         j.memory.release()
     if j.gpu is not None:
+        j.details["lock_wait_s"] = {k: round(v, 3) for k, v in j.gpu.waited.items()}
         j.gpu.close()
 
 
 def evaluate(reference_path: str, candidate_path: str, config: dict, runner_fd: int, runner_pid: int,
-             runner_dir: str, exclusive: bool = False) -> dict:
+             runner_dir: str, exclusive: bool = False, defer: bool = False) -> dict:
     """The judge's sandbox target: every phase in order; returns EvalResult fields. `exclusive`
-    holds the GPU alone for the whole job (a retry of a job that ran out of memory next to others)."""
+    holds the GPU alone for the whole job (a retry of a job that ran out of memory next to others);
+    `defer` ends the job at once, with `details.deferred`, when its GPU memory does not fit yet."""
     import shutil
     t0 = _perf()
     j = Judge(cfg=config, sock=runner_fd, runner_pid=runner_pid, runner_dir=runner_dir,
-              reference_path=reference_path, candidate_path=candidate_path, clock=t0, exclusive=exclusive)
+              reference_path=reference_path, candidate_path=candidate_path, clock=t0, exclusive=exclusive,
+              defer=defer)
     j.deadline = time.monotonic() + float(config["timeout"])
     shutil.copyfile(reference_path, os.path.join(runner_dir, "reference.py"))
     shutil.copyfile(candidate_path, os.path.join(runner_dir, os.path.basename(candidate_path)))
     try:
-        for phase in PHASES:
-            phase(j)
+        _run_phases(j)
     except Hacked as h:
         if h.code not in j.out["hacks"]:
             j.hack(h.code, h.detail, stop=False)

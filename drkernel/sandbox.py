@@ -51,7 +51,6 @@ import threading
 import time
 import traceback as _traceback
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 STATUSES = ("ok", "exception", "timeout", "signal", "exit_no_result", "oom", "oversized_result",
@@ -769,8 +768,8 @@ class _NotStarted(Exception):
 
 
 class SandboxPool:
-    """Several ForkServers; ``run`` takes any free one, ``map`` dispatches from threads and
-    keeps the order. ``per_worker_env[i]`` is merged into worker i's env (e.g. to pin
+    """Several ForkServers; ``run`` (safe to call from several threads) takes any free one.
+    ``per_worker_env[i]`` is merged into worker i's env (e.g. to pin
     CUDA_VISIBLE_DEVICES per worker)."""
 
     def __init__(self, workers: int = 1, env: dict | None = None, per_worker_env: list[dict] | None = None,
@@ -794,15 +793,6 @@ class SandboxPool:
         finally:
             self._free.put(server)
 
-    def map(self, jobs: list[dict]) -> list[SandboxResult]:
-        """jobs: dicts with ``target`` and optional ``kwargs``, ``limits``, ``env``, ``cwd``, ``runner``."""
-        jobs = list(jobs)
-        if not jobs:
-            return []
-        with ThreadPoolExecutor(max_workers=min(self.workers, len(jobs))) as ex:
-            futures = [ex.submit(self.run, **job) for job in jobs]
-            return [f.result() for f in futures]
-
     def close(self) -> None:
         for server in self.servers:
             server.close()
@@ -824,38 +814,55 @@ class DeviceLock:
 
     Evaluations hold it *shared* for GPU work whose numbers enter no verdict (building models,
     correctness calls), and *alone* for work whose numbers do (timing, calibration, profiling),
-    so a verdict never depends on what neighbours run. A writer first takes a gate that new
-    readers must pass, so a stream of readers cannot starve it. ``DRKERNEL_LOCK_DIR`` (default
-    /tmp, not TMPDIR, which is private per job) holds the files."""
+    so a verdict never depends on what neighbours run. A writer first waits ``patience_s`` for a
+    moment with no readers, while readers keep the GPU busy (a reader may be compiling for a
+    second); then it takes a gate that new readers must pass, so a stream of readers cannot starve
+    it. ``waited`` sums the seconds spent waiting per mode. ``DRKERNEL_LOCK_DIR`` (default /tmp,
+    not TMPDIR, which is private per job) holds the files."""
 
-    def __init__(self, index: int | str, timeout_s: float | None = None):
+    def __init__(self, index: int | str, timeout_s: float | None = None, patience_s: float = 1.0):
         self.path = os.path.join(os.environ.get("DRKERNEL_LOCK_DIR", "/tmp"), f"drkernel-device-{index}.lock")
         self.timeout_s = timeout_s
+        self.patience_s = patience_s
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
         self._gate = os.open(self.path + ".gate", os.O_RDWR | os.O_CREAT, 0o666)
         self.mode: str | None = None  # None, "shared" or "alone"
+        self.waited = {"shared": 0.0, "alone": 0.0}
 
-    def _flock(self, fd: int, op: int) -> None:
-        if self.timeout_s is None:
+    def _try(self, fd: int, op: int, seconds: float | None) -> bool:
+        """`flock(fd, op)`, waiting at most `seconds` (None: for as long as it takes)."""
+        if seconds is None:
             fcntl.flock(fd, op)
-            return
-        end = time.monotonic() + self.timeout_s
+            return True
+        end = time.monotonic() + seconds
         while True:
             try:
                 fcntl.flock(fd, op | fcntl.LOCK_NB)
-                return
+                return True
             except BlockingIOError:
                 if time.monotonic() > end:
-                    raise TimeoutError(f"device lock {self.path} is busy") from None
-                time.sleep(0.01)
+                    return False
+                time.sleep(0.005)
 
-    def acquire(self, alone: bool) -> None:
-        self._flock(self._gate, fcntl.LOCK_EX)
-        try:
-            self._flock(self._fd, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(self._gate, fcntl.LOCK_UN)
+    def _flock(self, fd: int, op: int, end: float | None) -> None:
+        if not self._try(fd, op, None if end is None else max(0.0, end - time.monotonic())):
+            raise TimeoutError(f"device lock {self.path} is busy") from None
+
+    def acquire(self, alone: bool) -> float:
+        """Take the lock shared or alone; returns the seconds waited."""
+        t0 = time.monotonic()
+        end = None if self.timeout_s is None else t0 + self.timeout_s
+        patience = self.patience_s if self.timeout_s is None else min(self.patience_s, self.timeout_s)
+        if not (alone and self._try(self._fd, fcntl.LOCK_EX, patience)):
+            self._flock(self._gate, fcntl.LOCK_EX, end)
+            try:
+                self._flock(self._fd, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, end)
+            finally:
+                fcntl.flock(self._gate, fcntl.LOCK_UN)
         self.mode = "alone" if alone else "shared"
+        waited = time.monotonic() - t0
+        self.waited[self.mode] += waited
+        return waited
 
     def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -914,21 +921,28 @@ class MemoryLedger:
                 continue
         return total
 
-    def reserve(self, nbytes: int, poll_s: float = 0.05) -> float:
-        """Wait until `nbytes` fit beside what the others hold; returns the seconds waited."""
+    def fits(self, nbytes: int) -> bool:
+        """Whether `nbytes` fit now beside what the others hold (always, when nobody holds any)."""
+        others = self._others()
+        return others == 0 or others + nbytes <= self.capacity
+
+    def reserve(self, nbytes: int, wait: bool = True, poll_s: float = 0.05) -> float | None:
+        """Wait until `nbytes` fit beside what the others hold; returns the seconds waited, or
+        None at once when they do not fit and `wait` is False."""
         t0 = time.monotonic()
         guard = os.open(self.dir + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
         try:
             while True:
                 fcntl.flock(guard, fcntl.LOCK_EX)
                 try:
-                    others = self._others()
-                    if others == 0 or others + nbytes <= self.capacity:
+                    if self.fits(nbytes):
                         with open(self.mine, "w") as fh:
                             fh.write(str(int(nbytes)))
                         return time.monotonic() - t0
                 finally:
                     fcntl.flock(guard, fcntl.LOCK_UN)
+                if not wait:
+                    return None
                 time.sleep(poll_s)
         finally:
             os.close(guard)

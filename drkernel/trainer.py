@@ -925,8 +925,9 @@ class Trainer:
         self.logger.close()
 
     # ---------------------------------------------------------------- one step
-    def train_step(self) -> dict[str, Any]:
-        """Run step `self.step + 1`; return its metrics (the same on every process)."""
+    def train_step(self) -> tuple[dict[str, Any], list[dict]]:
+        """Run step `self.step + 1`; return its metrics (the same on every process) and this
+        process's rollout rows (one per turn, as the rollout dump writes them)."""
         step = self.step + 1
         t_step = time.perf_counter()
         picked = self.sampler.next(self.cfg.tasks_per_step)
@@ -943,8 +944,7 @@ class Trainer:
         metrics["tokens_per_s"] = metrics["gen_tokens"] / max(metrics["step_s"], 1e-9)
         if self.acc.device.type == "cuda":
             metrics["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.acc.device) / 2**30
-        self._last_rows = rows
-        return metrics
+        return metrics, rows
 
     def _rollout(self, tasks: list[Task], seed: int) -> tuple[list[list[TurnSample]], dict[str, float]]:
         """Trajectories of this process's tasks (sampled by the unwrapped model in eval mode with
@@ -1077,9 +1077,9 @@ class Trainer:
         saved_at = self.step
         try:
             while self.step < cfg.max_steps:
-                metrics = self.train_step()
+                metrics, rows = self.train_step()
                 self.logger.log(metrics, self.step)
-                self._write_rollouts(self._last_rows)
+                self._write_rollouts(rows)
                 history.append({"step": self.step, **metrics})
                 if cfg.save_steps > 0 and self.step % cfg.save_steps == 0:
                     t0 = time.perf_counter()

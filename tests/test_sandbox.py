@@ -179,19 +179,19 @@ def test_child_kills_zygote(server):
     assert_healthy(server)
 
 
-def test_pool_map_keeps_order():
+def test_pool_runs_jobs_side_by_side_on_per_worker_envs():
+    from concurrent.futures import ThreadPoolExecutor
+
     jobs = [dict(target=T + "slow", kwargs={"i": i, "delay": 0.3 if i % 2 == 0 else 0.0}) for i in range(6)]
     jobs.append(dict(target=T + "raises", limits={"timeout_s": 5}))
     with SandboxPool(2, env=ENV, per_worker_env=[{"DRK_W": "0"}, {"DRK_W": "1"}], preload=()) as pool:
-        t0 = time.perf_counter()
-        results = pool.map(jobs)
-        parallel = time.perf_counter() - t0
+        with ThreadPoolExecutor(max_workers=2) as ex:
+            results = list(ex.map(lambda job: pool.run(**job), jobs))
         seen = {pool.run(T + "echo_env", {"name": "DRK_W"}).value["value"] for _ in range(4)}
         envs = sorted(s.env["DRK_W"] for s in pool.servers)
     assert [r.value["i"] for r in results[:6]] == list(range(6))
     assert results[6].status == "exception"
     assert envs == ["0", "1"] and seen <= {"0", "1"}
-    assert parallel < 0.3 * 3 + 3  # (zygote start is included; just a sanity bound)
 
 
 def test_device_lock_excludes(tmp_path, monkeypatch):
@@ -259,3 +259,56 @@ def test_zygote_killed_right_before_a_job(server):
     assert_healthy(server)
     os.kill(server.pid, signal.SIGKILL)  # no pause: the dead zygote is found while sending
     assert_healthy(server)
+
+
+def test_memory_ledger_reserve_can_decline_instead_of_waiting(tmp_path, monkeypatch):
+    import subprocess
+
+    from drkernel.sandbox import MemoryLedger
+
+    monkeypatch.setenv("DRKERNEL_LOCK_DIR", str(tmp_path))
+    ledger = MemoryLedger(0, capacity_bytes=100)
+    neighbour = subprocess.Popen(["sleep", "30"])
+    try:
+        (Path(ledger.dir) / str(neighbour.pid)).write_text("70")
+        assert not ledger.fits(40) and ledger.fits(30)
+        t0 = time.perf_counter()
+        assert ledger.reserve(40, wait=False) is None
+        assert time.perf_counter() - t0 < 0.5
+        assert not (Path(ledger.dir) / str(os.getpid())).exists()  # nothing promised to a declined job
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+
+
+def test_device_lock_writer_lets_readers_in_until_its_patience_runs_out(tmp_path, monkeypatch):
+    import threading
+
+    from drkernel.sandbox import DeviceLock
+
+    monkeypatch.setenv("DRKERNEL_LOCK_DIR", str(tmp_path))
+    first, second, late = DeviceLock(0), DeviceLock(0), DeviceLock(0)
+    writer = DeviceLock(0, patience_s=0.5)
+    first.acquire(alone=False)  # a reader is compiling
+    got = threading.Event()
+    thread = threading.Thread(target=lambda: (writer.acquire(alone=True), got.set()))
+    thread.start()
+    time.sleep(0.1)
+    assert second.acquire(alone=False) < 0.1  # within the writer's patience readers still get in
+    second.release()
+    time.sleep(0.6)  # patience over: the writer holds the gate, so new readers queue behind it
+    blocked = threading.Event()
+    reader = threading.Thread(target=lambda: (late.acquire(alone=False), blocked.set()))
+    reader.start()
+    assert not blocked.wait(0.2) and not got.is_set()
+    first.release()
+    assert got.wait(5)
+    assert not blocked.wait(0.2)  # the writer is alone
+    writer.release()
+    assert blocked.wait(5)
+    late.release()
+    thread.join()
+    reader.join()
+    assert writer.waited["alone"] >= 0.6 and first.waited["shared"] < 0.1
+    for lock in (first, second, late, writer):
+        lock.close()

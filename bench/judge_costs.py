@@ -1,0 +1,116 @@
+"""What each of the judge's per-call steps costs on real KernelBench sizes (GPU; issue 15).
+
+No candidate and no runner: the judge's own helpers (`drkernel.judge`, `drkernel.compare`) run
+in this process on a reference, with the reference's output standing in for a candidate's, so
+the cost of a correctness trial and of a verified timed call can be split into its parts:
+fresh inputs, the signed-normal redraw, cloning, a reference forward, `compare`, `degenerate`,
+the input-mutation check, the copy-bandwidth probe. Each step is timed `--repeats` times with
+a device synchronisation around it; the table shows the median milliseconds.
+
+    python bench/judge_costs.py --kernelbench .bench_data/kernelbench --problems 1:19,1:23,2:12
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from drkernel import compare, judge  # noqa: E402
+from drkernel.evaluator import EvalConfig  # noqa: E402
+from drkernel.runner import import_file  # noqa: E402
+from drkernel.tasks import load_kernelbench  # noqa: E402
+
+
+def _timed(fn, device, repeats: int) -> float:
+    """Median milliseconds of `fn()` between two device synchronisations."""
+    times = []
+    for _ in range(repeats):
+        judge._sync(device)
+        t0 = time.perf_counter()
+        fn()
+        judge._sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _judge_for(code: str, device, workdir: str) -> judge.Judge:
+    path = os.path.join(workdir, "reference.py")
+    Path(path).write_text(code)
+    cfg = dataclasses.asdict(EvalConfig())
+    j = judge.Judge(cfg=cfg, sock=-1, runner_pid=-1, runner_dir=workdir, reference_path=path, candidate_path=path)
+    j.device, j.seed = device, int(cfg["seed"])
+    j.ref_mod = import_file(path, "_drk_costs_reference")
+    j.template = judge._build_reference(j)
+    return j
+
+
+def costs(code: str, device, repeats: int) -> dict[str, float]:
+    """Milliseconds per step for one problem."""
+    with tempfile.TemporaryDirectory() as workdir:
+        j = _judge_for(code, device, workdir)
+        cfg = j.cfg
+        inputs = judge.gen_inputs(j, j.seed)
+        out = judge.run_reference(j, judge._clone(inputs))
+        ref = judge.run_reference(j, judge._clone(inputs))
+        row = {
+            "io_gb": (compare.nbytes(compare.tensors(inputs)) + compare.nbytes(compare.tensors(out))) / 1e9,
+            "gen_inputs": _timed(lambda: judge.gen_inputs(j, j.seed + 1), device, repeats),
+            "gen_signed": _timed(lambda: judge.gen_inputs(j, j.seed + 2, signed=True), device, repeats),
+            "clone_inputs": _timed(lambda: judge._clone(inputs), device, repeats),
+            "new_reference": _timed(lambda: judge.new_reference(j), device, repeats),
+            "reference_forward": _timed(lambda: judge.run_reference(j, judge._clone(inputs)), device, repeats),
+            "compare": _timed(lambda: compare.compare(out, ref, cfg), device, repeats),
+            "degenerate": _timed(lambda: compare.degenerate(out, ref, inputs, cfg), device, repeats),
+            "same_values": _timed(lambda: [compare.same_values(a, a) for a in compare.tensors(inputs)], device,
+                                  repeats),
+            "clone_output": _timed(lambda: judge._clone(out), device, repeats),
+        }
+        if device.type == "cuda":
+            row["copy_bandwidth"] = _timed(lambda: judge._copy_bandwidth(device), device, 2)
+    return row
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kernelbench", default=str(ROOT / ".bench_data" / "kernelbench"))
+    p.add_argument("--problems", default="1:19,1:23,1:36,1:1,2:12", help="level:id, comma separated")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench/results"), "judge_costs.json"))
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    import torch
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    wanted = [tuple(int(x) for x in item.split(":")) for item in args.problems.split(",") if item]
+    rows = {}
+    for level, pid in wanted:
+        task = next(t for t in load_kernelbench(args.kernelbench, level) if t.problem_id == pid)
+        rows[task.name] = costs(task.code, device, args.repeats)
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    steps = list(next(iter(rows.values())).keys())
+    print(f"{'problem':42s} " + " ".join(f"{s[:12]:>12s}" for s in steps))
+    for name, row in rows.items():
+        print(f"{name[:42]:42s} " + " ".join(f"{row.get(s, float('nan')):12.2f}" for s in steps))
+    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "unit": "ms (io_gb: GB)", "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
