@@ -46,7 +46,7 @@ from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device
 SPEEDUP_TOLERANCE = 0.03  # a speedup further than this from 1 worker's is listed
 SPEEDUP_FLAG = 0.10  # and flagged beyond this
 DETAILS = ("phase_s", "split_s", "lock_wait_s", "memory_wait_s", "overhead_s", "retried_alone", "preflight",
-           "timed_calls")  # kept per result
+           "timed_calls", "memory_estimate_gib", "memory_peak_gib")  # kept per result
 
 
 @dataclasses.dataclass
@@ -204,6 +204,24 @@ def print_time_split(passes: list[Pass]) -> None:
               f"job seconds: {outside}")
 
 
+def print_memory(p: Pass, candidates: list[Candidate], floor_gib: float = 4.0) -> None:
+    """Each task's GPU memory estimate (what admission reserves) against the peaks its jobs
+    reached (the judge's and the runner's caching allocators; CUDA contexts not included)."""
+    rows: dict[str, list] = {}
+    for c, r in zip(candidates, p.results):
+        est, peak = r.details.get("memory_estimate_gib"), r.details.get("memory_peak_gib") or {}
+        if est is None or est < floor_gib or "judge" not in peak:
+            continue
+        row = rows.setdefault(c.task.key, [est, 0.0, 0.0])
+        row[1] = max(row[1], peak["judge"])
+        row[2] = max(row[2], peak.get("runner") or 0.0)
+    if rows:
+        print(f"\n{p.label}: GPU memory per task (GiB), estimate vs peak reserved")
+        print(f"{'task':>8} {'estimate':>9} {'judge':>7} {'runner':>7} {'sum':>7}")
+    for key, (est, j, r) in sorted(rows.items()):
+        print(f"{key:>8} {est:>9.1f} {j:>7.1f} {r:>7.1f} {j + r:>7.1f}{'  over' if j + r > est else ''}")
+
+
 def summary(args, candidates: list[Candidate], passes: list[Pass], diffs: list[Difference],
             surprises: list[tuple[str, str, str]]) -> dict:
     cold = [p for p in passes if p.cache == "cold"]
@@ -289,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict:
         surprises = unexpected(candidates, passes[0].results)
         print_report(passes, diffs, surprises)
         print_time_split(passes)
+        print_memory(passes[-2], candidates)
         result = summary(args, candidates, passes, diffs, surprises)
     finally:
         shutil.rmtree(run_dir if args.cache_dir else root, ignore_errors=True)

@@ -3,9 +3,10 @@
 No candidate and no runner: the judge's own helpers (`drkernel.judge`, `drkernel.compare`) run
 in this process on a reference, with the reference's output standing in for a candidate's, so
 the cost of a correctness trial and of a verified timed call can be split into its parts:
-fresh inputs, the signed-normal redraw, cloning, a reference forward, `compare`, `degenerate`,
-the input-mutation check, the copy-bandwidth probe. Each step is timed `--repeats` times with
-a device synchronisation around it; the table shows the median milliseconds.
+fresh inputs, the signed-normal redraw, cloning inputs, a reference forward, `compare` and
+`degenerate` (Triton kernels, `drkernel.compare_kernels`), the input-mutation check, the
+copy-bandwidth probe. Each step is timed `--repeats` times with a device synchronisation
+around it; the table shows the median milliseconds.
 
     python bench/judge_costs.py --kernelbench .bench_data/kernelbench --problems 1:19,1:23,2:12
 """
@@ -73,7 +74,6 @@ def costs(code: str, device, repeats: int) -> dict[str, float]:
             "degenerate": _timed(lambda: compare.degenerate(out, ref, inputs, cfg), device, repeats),
             "same_values": _timed(lambda: [compare.same_values(a, a) for a in compare.tensors(inputs)], device,
                                   repeats),
-            "clone_output": _timed(lambda: judge._clone(out), device, repeats),
         }
         if device.type == "cuda":
             row["copy_bandwidth"] = _timed(lambda: judge._copy_bandwidth(device), device, 2)

@@ -2,8 +2,9 @@
 
 `compare` decides correctness: elementwise atol + rtol*|ref| and a relative-L2 limit, NaN and inf
 positions matching, exact integers; `degenerate` flags trivial answers (zeros, a constant, an
-input) that pass only because the problem barely varies. Chunked so that multi-GB KernelBench
-outputs never need several copies of themselves.
+input) that pass only because the problem barely varies. The passes over floating outputs are
+Triton kernels (`compare_kernels`); the detailed float64 pass for failing or non-finite outputs
+is chunked, so that multi-GB KernelBench outputs never need several copies of themselves.
 """
 
 from __future__ import annotations
@@ -125,30 +126,20 @@ def tolerances(dtype, cfg: dict) -> tuple[float, float, float]:
 _CHUNK = 1 << 26  # elements per comparison chunk: temporaries stay a few hundred MB at any size
 
 
-def _work_dtype(*ts):
-    """float64 for float64 tensors, float32 otherwise: half and bf16 widen to float32 exactly, and
-    an fp32 difference is exact or off by one rounding, far below any tolerance we apply."""
+def _chunks(*ts):
+    """Matching float64 slices of equally sized tensors: the detailed pass never holds more than
+    a few hundred MB of temporaries, whatever the output's size."""
     import torch
-    return torch.float64 if any(t.dtype == torch.float64 for t in ts) else torch.float32
-
-
-def _chunks(*ts, dtype=None):
-    """Matching slices of equally sized tensors, cast to `dtype` (default float64). KernelBench
-    outputs reach billions of elements; comparing them whole would need several times their size
-    again."""
-    import torch
-    dtype = dtype or torch.float64
     flats = [t.detach().reshape(-1) for t in ts]
     for start in range(0, flats[0].numel(), _CHUNK):
-        yield [f[start:start + _CHUNK].to(dtype) for f in flats]
+        yield [f[start:start + _CHUNK].to(torch.float64) for f in flats]
 
 
 def _compare_tensor(c, r, atol, rtol, rel_l2) -> dict:
     """Elementwise atol + rtol*|ref|, relative L2, and matching NaN/inf positions.
 
-    One pass on the device with no host synchronisation until the end; the detailed float64 pass
-    below runs only for outputs that fail or hold non-finite values (they make the sums of squares
-    non-finite)."""
+    One pass over both tensors (`compare_kernels.stats`); the detailed float64 pass below runs
+    only for outputs that fail or hold non-finite values."""
     import torch
     res = {"ok": True, "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "why": ""}
     if c.shape != r.shape:
@@ -167,25 +158,13 @@ def _compare_tensor(c, r, atol, rtol, rel_l2) -> dict:
         return {**res, "ok": ok, "why": "" if ok else "integer/bool values differ"}
     if r.numel() == 0:
         return res
-    f64 = torch.float64
-    zero = torch.zeros((), dtype=f64, device=r.device)
-    n_out, max_abs, max_rel, sq_err, sq_ref = zero.long(), zero.clone(), zero.clone(), zero.clone(), zero.clone()
-    for cf, rf in _chunks(c, r, dtype=_work_dtype(c, r)):
-        err = (cf - rf).abs_()
-        ra = rf.abs()
-        n_out += (err > ra.mul(rtol).add_(atol)).sum()
-        max_abs = torch.maximum(max_abs, err.max().to(f64))
-        max_rel = torch.maximum(max_rel, err.div(ra.clamp_min_(1e-12)).max().to(f64))
-        # sums of squares in the work dtype per chunk (a relative error near 1e-7, far below the
-        # L2 limit); a NaN or inf anywhere makes them non-finite, which sends us to the slow pass
-        sq_err += torch.dot(err, err).to(f64)
-        sq_ref += torch.dot(rf, rf).to(f64)
-        del err, ra
-    stats = torch.stack([n_out.to(f64), max_abs, max_rel, sq_err, sq_ref]).tolist()  # the one sync
-    if stats[0] > 0 or not all(map(math.isfinite, stats)):
+    from drkernel import compare_kernels
+    st = compare_kernels.stats(c, r, atol, rtol)
+    # the sums of squares overflow to inf for huge values: the float64 pass then decides
+    if st.n_out or st.n_nonfinite or not all(map(math.isfinite, (st.sq_err, st.sq_ref))):
         return _compare_tensor_slow(c, r, atol, rtol, rel_l2)
-    res["max_abs"], res["max_rel"] = stats[1], stats[2]
-    nref, nerr = math.sqrt(stats[4]), math.sqrt(stats[3])
+    res["max_abs"], res["max_rel"] = st.max_abs, st.max_rel
+    nref, nerr = math.sqrt(st.sq_ref), math.sqrt(st.sq_err)
     res["rel_l2"] = nerr / nref if nref > 0 else (0.0 if nerr == 0 else float("inf"))
     if nref > 0 and res["rel_l2"] > rel_l2:
         res["ok"] = False
@@ -254,46 +233,22 @@ def compare(out, ref, cfg: dict, loose: bool = False) -> dict:
 def degenerate(out, ref, inputs, cfg: dict) -> str | None:
     """The candidate ≈ a trivial answer (zeros, a constant, an input) that would pass here.
 
-    Two passes over the outputs on the device, each ending in a single host synchronisation."""
-    import torch
+    A pass for the reference's mean, then one per trivial answer (`compare_kernels`)."""
+    from drkernel import compare_kernels
     in_ts = tensors(inputs)
-    f64 = torch.float64
     for c, r in zip(tensors(out), tensors(ref)):
         if not r.is_floating_point() or r.numel() < 2 or c.shape != r.shape or c.dtype != r.dtype:
             continue
-        wd = _work_dtype(r)
-        total = torch.zeros((), dtype=f64, device=r.device)
-        n_bad = torch.zeros((), dtype=torch.long, device=r.device)
-        for rf, cf in _chunks(r, c, dtype=wd):
-            n_bad += (~torch.isfinite(rf)).sum() + (~torch.isfinite(cf)).sum()
-            total += rf.sum(dtype=f64)
-        n_bad, total = int(n_bad.item()), float(total.item())
-        if n_bad:
-            continue
         atol, rtol, _ = tolerances(r.dtype, cfg)
-        mean = total / r.numel()
-        same = [(i, t) for i, t in enumerate(in_ts) if t.shape == r.shape and t.dtype == r.dtype]
-        names = ["zeros", "a constant"] + [f"input {i}" for i, _ in same]
-        k_n = len(names)
-        gap = torch.zeros(k_n, dtype=f64, device=r.device)  # max |ref - answer|
-        dist = torch.zeros(k_n, dtype=f64, device=r.device)  # max |candidate - answer|
-        fails = torch.zeros(k_n, dtype=torch.long, device=r.device)  # answer outside the tolerance
-        scale = torch.zeros((), dtype=f64, device=r.device)
-        for rf, cf, *ins in _chunks(r, c, *[t for _, t in same], dtype=wd):
-            tol = rf.abs().mul_(rtol).add_(atol)
-            scale = torch.maximum(scale, rf.abs().max().to(f64))
-            answers = [None, torch.full((), mean, dtype=wd, device=rf.device)] + ins
-            for k, t in enumerate(answers):
-                d = rf.abs() if t is None else (rf - t).abs_()
-                gap[k] = torch.maximum(gap[k], d.max().to(f64))
-                fails[k] += (d > tol).sum()
-                dc = cf.abs() if t is None else (cf - t).abs_()
-                dist[k] = torch.maximum(dist[k], dc.max().to(f64))
-                del d, dc
-        gap_l, dist_l, fails_l, scale_f = gap.tolist(), dist.tolist(), fails.tolist(), float(scale.item())
-        for k, name in enumerate(names):
-            if gap_l[k] <= 1e-6 * scale_f + 1e-30:
+        st = compare_kernels.stats(c, r, atol, rtol)
+        if st.n_nonfinite:
+            continue
+        answers = {"zeros": 0.0, "a constant": st.sum_ref / r.numel()}
+        answers.update({f"input {i}": t for i, t in enumerate(in_ts) if t.shape == r.shape and t.dtype == r.dtype})
+        for name, a in answers.items():
+            got = compare_kernels.answer(r, c, a, atol, rtol)
+            if got.gap <= 1e-6 * got.scale + 1e-30:
                 continue  # the reference really is this trivial answer
-            if fails_l[k] == 0 and dist_l[k] <= 0.1 * gap_l[k]:
+            if got.fails == 0 and got.dist <= 0.1 * got.gap:
                 return f"output ≈ {name}, which passes the tolerance on this problem while the reference differs"
     return None

@@ -235,8 +235,9 @@ def _limits(cfg: EvalConfig):
 
 
 # What the fork server imports once, so that no evaluation pays for it: torch._dynamo and
-# torch.profiler are imported by every child before its integrity snapshot (see step 4).
-_PRELOAD = ("torch", "triton", "torch._dynamo", "torch.profiler")
+# torch.profiler are imported by every child before its integrity snapshot (see step 4); the
+# judge's comparison kernels are decorated once here.
+_PRELOAD = ("torch", "triton", "torch._dynamo", "torch.profiler", "drkernel.compare_kernels")
 
 
 class _Prepared:

@@ -90,6 +90,7 @@ class Judge:
     flush: Any = None
     io_bytes: int = 0
     ref_aliases: bool = False
+    ref_mutates: bool = True  # the reference writes into its inputs (known after setup)
     ref_alone_ms: float = 0.0
     bandwidth: float | None = None
     overhead_ms: float = 0.0
@@ -191,6 +192,25 @@ def run_reference(j: Judge, inputs: list):
         out = new_reference(j)(*inputs)
     _sync(j.device)
     return out
+
+
+def reference_inputs(j: Judge, inputs: list) -> list:
+    """What the reference may run on: `inputs` themselves, or a copy where the reference writes
+    into its inputs (they are compared with the candidate's afterwards)."""
+    return _clone(inputs) if j.ref_mutates else inputs
+
+
+def _first_reference_run(j: Judge, inputs: list) -> tuple[Any, bool]:
+    """The reference's output, and whether it writes into its inputs: an in-place op bumps a
+    tensor's version counter even where it leaves the values as they were (ReLU on uniform
+    inputs), and the values catch what bypasses the counter."""
+    import torch
+    ts = compare.tensors(inputs)
+    before, copies = [t._version for t in ts], [t.detach().clone() for t in ts]
+    with torch.no_grad():
+        out = new_reference(j)(*inputs)
+    _sync(j.device)
+    return out, any(t._version != v or not compare.same_values(t, c) for t, v, c in zip(ts, before, copies))
 
 
 def median(xs: list[float]) -> float:
@@ -296,13 +316,13 @@ def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False) -> Call
 
 
 def committed(j: Judge, call: Call):
-    """The output the runner committed, rebuilt in the reference's structure (a clone: the
-    slots are rewritten by the next call)."""
+    """The output the runner committed, in the reference's structure: views of the slots, read
+    before the next call rewrites them (a copy would cost another output's worth of memory)."""
     if "mismatch" in call.reply:
         return None
     if not j.out_views:
         return call.reply.get("value")
-    ts = [v.clone() for v in j.out_views]
+    ts = list(j.out_views)
     return ts[0] if j.details["output_structure"] == "T" else _rebuild(j.details["output_structure"], iter(ts))
 
 
@@ -321,7 +341,7 @@ def verify(j: Judge, call: Call, label: str, code: str = "output_cached") -> Non
     """The committed output of a call against the reference on the same inputs."""
     t = _perf()
     out = committed(j, call)
-    ref = run_reference(j, _clone(call.inputs))
+    ref = run_reference(j, reference_inputs(j, call.inputs))
     cmp = compare.compare(out, ref, j.cfg) if out is not None else {"ok": False, "why": call.reply["mismatch"]}
     j.spend("verify", t)
     if not cmp["ok"]:
@@ -370,7 +390,7 @@ def setup(j: Judge) -> None:
         with _shared(j):
             j.template = _build_reference(j)
             warm = gen_inputs(j, j.seed)
-            ref_out = run_reference(j, warm)
+            ref_out, j.ref_mutates = _first_reference_run(j, warm)
     except Exception as exc:
         raise Stop("runtime_error", _exc_error("the reference failed", exc)) from None
     j.io_bytes = compare.nbytes(compare.tensors(warm)) + compare.nbytes(compare.tensors(ref_out))
@@ -503,17 +523,16 @@ def _trial_hacks(j: Judge, ti: int, call: Call) -> None:
     j.output_from_kernels = j.output_from_kernels and bool(r.get("output_from_kernels"))
 
 
-def _mutations(j: Judge, ti: int, call: Call, pristine: list) -> None:
-    """Inputs changed by the candidate (seen here, in the arena) unless the reference changes them too."""
-    import torch
+def _mutations(j: Judge, ti: int, call: Call, pristine: list, ref_in: list) -> None:
+    """Inputs the candidate changed (seen here, in the arena), unless it left them as the
+    reference leaves its own."""
     shared = [v for v in j.in_views if v is not None]
-    mutated = any(not compare.same_values(a, b) for a, b in zip(shared, compare.tensors(pristine)))
-    if mutated:
-        ref_in = _clone(pristine)
-        with torch.no_grad():
-            new_reference(j)(*ref_in)
-        if all(compare.same_values(a, b) for a, b in zip(compare.tensors(ref_in), compare.tensors(pristine))):
+    if any(not compare.same_values(a, b) for a, b in zip(shared, compare.tensors(pristine))):
+        if not j.ref_mutates:
             j.hack("input_mutated", f"trial {ti}: the candidate modified its inputs (the reference does not)",
+                   stop=False)
+        elif not compare.compare(shared, compare.tensors(ref_in), j.cfg)["ok"]:
+            j.hack("input_mutated", f"trial {ti}: the candidate modified its inputs otherwise than the reference",
                    stop=False)
     if call.reply.get("aliases_input") and not j.ref_aliases:
         j.hack("output_aliases_input", f"trial {ti}: output shares storage with an input", stop=False)
@@ -563,18 +582,19 @@ def check_correctness(j: Judge) -> None:
 
 
 def _trial(j: Judge, ti: int, seed: int, signed: bool, degenerate: bool) -> None:
-    """One correctness trial: the candidate on fresh inputs, then the reference on a copy."""
+    """One correctness trial: the candidate on fresh inputs, then the reference on the same ones."""
     call = call_candidate(j, seed, "check", signed)
     pristine = call.inputs
     _trial_hacks(j, ti, call)
     t = _perf()
-    ref = run_reference(j, _clone(pristine))
+    ref_in = reference_inputs(j, pristine)
+    ref = run_reference(j, ref_in)
     t = j.spend("reference", t)
+    _mutations(j, ti, call, pristine, ref_in)
+    j.spend("mutations", t)
     if signed and not all(bool(x.isfinite().all()) for x in compare.tensors(ref) if x.is_floating_point()):
         j.details.setdefault("trials", []).append({"trial": ti, "signed": True, "skipped": "reference not finite"})
         return
-    _mutations(j, ti, call, pristine)
-    j.spend("mutations", t)
     if "mismatch" in call.reply:
         if j.out["hacks"]:
             raise Hacked(j.out["hacks"][-1], j.details["hack_details"][-1])
@@ -605,11 +625,13 @@ def _lock_gpu(j: Judge, alone: bool) -> None:
 
 def memory_estimate(ref_mod, total: int) -> int:
     """GPU bytes one evaluation may hold at once: the reference's parameters three times (the
-    template, a fresh copy, the candidate's model), its inputs and outputs four times (the arena,
-    fresh inputs and the reference's copy, the reference's output and the committed clone) and 2 GiB
-    for the two CUDA contexts. Sizes come from the meta device (no memory, no work). A forward that
-    does not run there within two seconds (recurrent layers step by step) counts its output as large
-    as its inputs; a reference that cannot even be built there is assumed to need half the GPU."""
+    template, a fresh copy, the candidate's model), its inputs twice (the arena, the fresh inputs
+    the reference also runs on, unless it writes into them: rare, and not counted), its outputs three times (the arena's slots, the candidate's
+    output and its previous one in the runner), the peak of the reference's forward (output and
+    intermediates) and 2 GiB for the two CUDA contexts and the comparisons' chunks. Sizes come
+    from the meta device (no memory, no work). A forward that does not run there within two
+    seconds (recurrent layers step by step) counts its output and peak as large as its inputs; a
+    reference that cannot even be built there is assumed to need half the GPU."""
     import torch
     try:
         with torch.device("meta"):
@@ -619,22 +641,60 @@ def memory_estimate(ref_mod, total: int) -> int:
         params, ins = compare.nbytes(held), compare.nbytes(compare.tensors(inputs))
     except Exception:
         return total // 2
-    return 3 * params + 4 * (ins + _meta_output_bytes(model, inputs, ins)) + 2 * 2**30
+    outs, peak = _meta_forward_bytes(model, inputs, ins)
+    return 3 * params + 2 * ins + 3 * outs + peak + 2 * 2**30
 
 
-def _meta_output_bytes(model, inputs: list, fallback: int, limit_s: float = 2.0) -> int:
-    """Bytes of the reference's output on the meta device, or `fallback` when it cannot tell in time."""
+class _LiveBytes:
+    """Bytes of the storages created under it that are still alive, and their peak (a
+    TorchDispatchMode on the meta device: new storages counted, freed ones subtracted)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                outer.created(compare.tensors(out), compare.tensors([args, kwargs]))
+                return out
+        self.mode, self.live, self.peak, self.storages = Mode(), 0, 0, set()
+
+    def created(self, ts: list, operands: list) -> None:
+        import weakref
+        known = self.storages | {t.untyped_storage()._cdata for t in operands}
+        for t in ts:
+            st = t.untyped_storage()
+            if st._cdata in known:  # a view or an in-place result
+                continue
+            known.add(st._cdata)
+            self.storages.add(st._cdata)
+            self.live += st.nbytes()
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(st, self.freed, st._cdata, st.nbytes())
+
+    def freed(self, key: int, nbytes: int) -> None:
+        self.storages.discard(key)
+        self.live -= nbytes
+
+
+def _meta_forward_bytes(model, inputs: list, fallback: int, limit_s: float = 2.0) -> tuple[int, int]:
+    """(output bytes, peak live bytes) of the reference's forward on the meta device, or
+    (`fallback`, `fallback`) when it cannot tell in time."""
     import torch
 
     def stop(signum, frame):
         raise TimeoutError
     previous = signal.signal(signal.SIGALRM, stop)
     signal.setitimer(signal.ITIMER_REAL, limit_s)
+    live = _LiveBytes()
     try:
-        with torch.device("meta"):
-            return compare.nbytes(compare.tensors(model(*inputs)))
+        with torch.device("meta"), torch.no_grad(), live.mode:
+            out = model(*inputs)
+        return compare.nbytes(compare.tensors(out)), live.peak
     except Exception:
-        return fallback
+        return fallback, fallback
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -646,7 +706,8 @@ def _reserve_memory(j: Judge) -> None:
     from drkernel.sandbox import MemoryLedger
     total = torch.cuda.get_device_properties(j.device).total_memory
     need = memory_estimate(j.ref_mod, total)
-    j.memory = MemoryLedger(_physical_gpu(j), int(0.8 * total))  # the rest: contexts of jobs not yet admitted
+    # held back: the contexts of jobs not yet admitted (about 1 GiB each)
+    j.memory = MemoryLedger(_physical_gpu(j), int(max(0.8 * total, total - 12 * 2**30)))
     j.details["memory_estimate_gib"] = round(need / 2**30, 2)
     waited = j.memory.reserve(need, wait=not j.defer)
     if waited is None:
@@ -818,14 +879,18 @@ def check_decoy(j: Judge) -> None:
         except Stop:
             return  # it failed without its kernels: they were needed
         out = committed(j, call)
-        ok = out is not None and compare.compare(out, run_reference(j, _clone(call.inputs)), j.cfg)["ok"]
+        ok = out is not None and compare.compare(out, run_reference(j, reference_inputs(j, call.inputs)), j.cfg)["ok"]
     if ok:
         j.hack("decoy_kernel", "the output is still correct with every candidate Triton launch skipped")
     j.mark("decoy_check")
 
 
 def final(j: Judge) -> None:
-    _findings(j, j.ask({"op": "final"}))
+    reply = j.ask({"op": "final"})
+    _findings(j, reply)
+    peak = ipc.number(reply, "memory_peak")  # self-reported, kept to check `memory_estimate` against
+    if j.cuda and peak is not None:
+        j.details.setdefault("memory_peak_gib", {})["runner"] = round(peak / 2**30, 2)
     if j.out["hacks"]:
         raise Hacked(j.out["hacks"][-1], j.details["hack_details"][-1])
     j.out["verdict"] = "correct"
@@ -882,6 +947,7 @@ def _free_gpu(j: Judge) -> None:
     gc.collect()
     if j.memory is not None:
         import torch
+        j.details.setdefault("memory_peak_gib", {})["judge"] = round(torch.cuda.max_memory_reserved(j.device) / 2**30, 2)
         torch.cuda.empty_cache()
         j.memory.release()
     if j.gpu is not None:

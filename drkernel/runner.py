@@ -298,7 +298,9 @@ class Runner:
             return self.profile(msg)
         if op == "final":
             with self.torch.no_grad():
-                return {"findings": self.integrity("final")}
+                findings = self.integrity("final")
+            cuda = self.device is not None and self.device.type == "cuda"
+            return {"findings": findings, "memory_peak": self.torch.cuda.max_memory_reserved(self.device) if cuda else None}
         return {"error": f"unknown op {op!r}"}
 
 

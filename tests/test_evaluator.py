@@ -252,11 +252,13 @@ def dataclasses_cfg():
 
 
 def test_fast_comparison_agrees_with_the_detailed_one(monkeypatch):
-    """`_compare_tensor` decides passing outputs in one device pass and falls back to the detailed
+    """`_compare_tensor` decides passing outputs in one kernel pass and falls back to the detailed
     float64 pass for anything that fails or is non-finite; both must give the same verdict and the
-    same error measures, at any chunk size and for half, complex and float64 outputs."""
+    same error measures, whatever the kernel's grid (one block or many blocks per program) and the
+    detailed pass's chunk, and for half, bf16, complex and float64 outputs."""
     import torch
     from drkernel import compare as ev
+    from drkernel import compare_kernels
 
     g = torch.Generator().manual_seed(1)
     r = torch.randn(3000, generator=g)
@@ -273,12 +275,15 @@ def test_fast_comparison_agrees_with_the_detailed_one(monkeypatch):
     cases["inf_same"] = (torch.where(torch.isinf(inf_r), inf_r, near), inf_r)
     cases["inf_sign"] = (torch.where(torch.isinf(inf_r), -inf_r, near), inf_r)
     cases["fp16"] = (near.half(), r.half())
+    cases["bf16"] = (near.bfloat16(), r.bfloat16())
     cases["fp64_l2"] = ((r + 5e-3 * r.abs().mean()).double(), r.double())
     cases["complex"] = (torch.complex(near, near), torch.complex(r, r))
-    for chunk in (1 << 26, 128):
+    for chunk, programs, block in ((1 << 26, 4096, 1 << 16), (128, 3, 64)):
         monkeypatch.setattr(ev, "_CHUNK", chunk)
+        monkeypatch.setattr(compare_kernels, "_PROGRAMS", programs)
+        monkeypatch.setattr(compare_kernels, "_BLOCK", {"cpu": block, "cuda": block})
         for name, (c, ref) in cases.items():
-            tol = 1e-2 if ref.dtype == torch.float16 else 1e-4
+            tol = 1e-2 if ref.dtype in (torch.float16, torch.bfloat16) else 1e-4
             fast = ev._compare_tensor(c, ref, tol, tol, 1e-3)
             if ref.is_complex():
                 c, ref = torch.view_as_real(c), torch.view_as_real(ref)
@@ -288,23 +293,28 @@ def test_fast_comparison_agrees_with_the_detailed_one(monkeypatch):
             for k in ("max_abs", "max_rel", "rel_l2"):
                 assert abs(fast[k] - slow[k]) <= 1e-6 * max(1.0, slow[k]), (name, chunk, k, fast[k], slow[k])
     expected = {"pass": True, "fail_one": False, "nan_same": True, "nan_moved": False, "inf_same": True,
-                "inf_sign": False, "fp16": True, "fp64_l2": False, "complex": True}
-    got = {n: ev._compare_tensor(c, ref, *([1e-2] * 2 if n == "fp16" else [1e-4] * 2), 1e-3)["ok"]
+                "inf_sign": False, "fp16": True, "bf16": True, "fp64_l2": False, "complex": True}
+    got = {n: ev._compare_tensor(c, ref, *([1e-2] * 2 if n in ("fp16", "bf16") else [1e-4] * 2), 1e-3)["ok"]
            for n, (c, ref) in cases.items()}
     assert got == expected
 
     def no_slow_pass(*a):
-        raise AssertionError("a passing finite output must be decided by the single device pass")
+        raise AssertionError("a passing finite output must be decided by the single kernel pass")
     monkeypatch.setattr(ev, "_compare_tensor_slow", no_slow_pass)
     assert ev._compare_tensor(near, r, 1e-4, 1e-4, 1e-3)["ok"]
 
 
-def test_degenerate_check_flags_trivial_answers_only():
+@pytest.mark.parametrize("programs,block", [(4096, 1 << 16), (3, 64)])
+def test_degenerate_check_flags_trivial_answers_only(monkeypatch, programs, block):
     """A constant answer that passes because the reference barely varies is flagged; the same
-    reference answered properly, and a varying reference answered with zeros, are not."""
+    reference answered properly, and a varying reference answered with zeros, are not (with one
+    block per program and with many)."""
     import torch
     from drkernel import compare as ev
+    from drkernel import compare_kernels
 
+    monkeypatch.setattr(compare_kernels, "_PROGRAMS", programs)
+    monkeypatch.setattr(compare_kernels, "_BLOCK", {"cpu": block, "cuda": block})
     cfg = dataclasses_cfg()
     g = torch.Generator().manual_seed(2)
     flat_ref = 3.0 + 1e-5 * torch.rand(4000, generator=g)  # every value within tolerance of 3.0

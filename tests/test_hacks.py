@@ -95,6 +95,42 @@ def test_input_mutated():
     assert_hack(run("1_ReLU.py", relu_candidate(body)), "input_mutated")
 
 
+def test_inputs_are_judged_against_what_the_reference_does_to_its_own(tmp_path):
+    """A reference that applies ReLU in place: on uniform inputs the values stay as they were,
+    yet it writes into its input (its version counter moves; judged by values alone, it would
+    run on the judge's pristine copy and change it on the signed trials). Leaving the input
+    alone and writing relu(x) back into x, as the reference does, are both correct; zeroing it
+    is input_mutated."""
+    ref = tmp_path / "inplace_relu.py"
+    ref.write_text(textwrap.dedent("""
+        import torch
+        import torch.nn as nn
+
+
+        class Model(nn.Module):
+            def forward(self, x):
+                x.relu_()
+                return x * 1.0
+
+
+        def get_inputs():
+            return [torch.rand(16, 256)]
+
+
+        def get_init_inputs():
+            return []
+    """))
+    zeroing = relu_candidate("""
+    y = launch(x)
+    x.zero_()
+    return y
+    """)
+    for cand in (LEGIT_RELU, (HACKS_DIR / "input_mutated_inplace_relu.py").read_text()):
+        r = evaluate(str(ref), cand, cfg())
+        assert r.verdict == "correct" and r.hacks == [], (r.verdict, r.hacks, r.error)
+    assert_hack(evaluate(str(ref), zeroing, cfg()), "input_mutated")
+
+
 def test_patched_function_at_import():
     extra = "\ntorch.allclose = lambda *a, **k: True\n"
     assert_hack(run("1_ReLU.py", relu_candidate("return launch(x)", extra=extra)), "patched_function")

@@ -125,7 +125,7 @@ class _Ref:
         return [f() for f in self._inputs]
 
 
-def test_memory_estimate_counts_parameters_inputs_and_outputs_without_memory():
+def test_memory_estimate_counts_parameters_inputs_outputs_and_the_forward_peak_without_memory():
     import time
 
     import torch
@@ -134,9 +134,25 @@ def test_memory_estimate_counts_parameters_inputs_and_outputs_without_memory():
     from drkernel.judge import memory_estimate
     gib = 2**30
     linear = _Ref(torch.nn.Linear, [1024, 2048], [lambda: torch.rand(4096, 1024)])
-    params = (1024 * 2048 + 2048) * 4
-    io = 4096 * 1024 * 4 + 4096 * 2048 * 4
-    assert memory_estimate(linear, 100 * gib) == 3 * params + 4 * io + 2 * gib
+    params, ins, outs = (1024 * 2048 + 2048) * 4, 4096 * 1024 * 4, 4096 * 2048 * 4
+    assert memory_estimate(linear, 100 * gib) == 3 * params + 2 * ins + 4 * outs + 2 * gib  # peak = the output
+
+    class RMS(torch.nn.Module):  # x ** 2 is a full-size intermediate, freed before x / rms
+        def forward(self, x):
+            return x / torch.sqrt(torch.mean(x ** 2, dim=1, keepdim=True) + 1e-5)
+
+    n = 64 * 1024 * 4
+    rms = _Ref(RMS, [], [lambda: torch.rand(64, 1024)])
+    assert memory_estimate(rms, 100 * gib) == 2 * n + 3 * n + (n + 64 * 4) + 2 * gib
+
+    class Chain(torch.nn.Module):  # three full-size tensors alive at once
+        def forward(self, x):
+            a = x + 1
+            b = x * 2
+            return (a * b).sum()
+
+    chain = _Ref(Chain, [], [lambda: torch.rand(1024)])
+    assert memory_estimate(chain, 100 * gib) == 2 * 4096 + 3 * 4 + (3 * 4096 + 4) + 2 * gib  # a, b, a * b, the sum
 
     class Slow(torch.nn.Module):
         def forward(self, x):
@@ -145,7 +161,7 @@ def test_memory_estimate_counts_parameters_inputs_and_outputs_without_memory():
 
     slow = _Ref(Slow, [], [lambda: torch.rand(1 << 20)])
     t0 = time.perf_counter()
-    assert memory_estimate(slow, 100 * gib) == 4 * (2 * 4 << 20) + 2 * gib  # output taken as large as the input
+    assert memory_estimate(slow, 100 * gib) == 6 * (4 << 20) + 2 * gib  # output and peak taken as large as the input
     assert time.perf_counter() - t0 < 3
 
     class Broken(torch.nn.Module):
