@@ -46,7 +46,8 @@ from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device
 SPEEDUP_TOLERANCE = 0.03  # a speedup further than this from 1 worker's is listed
 SPEEDUP_FLAG = 0.10  # and flagged beyond this
 DETAILS = ("phase_s", "split_s", "lock_wait_s", "memory_wait_s", "overhead_s", "retried_alone", "preflight",
-           "timed_calls", "memory_estimate_gib", "memory_peak_gib")  # kept per result
+           "timed_calls", "memory_estimate_gib", "memory_peak_gib", "memory_peak_gib_by_phase", "clock_extra_ms",
+           "clock_overhead_ms")  # kept per result
 
 
 @dataclasses.dataclass
@@ -212,14 +213,16 @@ def print_memory(p: Pass, candidates: list[Candidate], floor_gib: float = 4.0) -
         est, peak = r.details.get("memory_estimate_gib"), r.details.get("memory_peak_gib") or {}
         if est is None or est < floor_gib or "judge" not in peak:
             continue
-        row = rows.setdefault(c.task.key, [est, 0.0, 0.0])
-        row[1] = max(row[1], peak["judge"])
+        phases = r.details.get("memory_peak_gib_by_phase") or {}
+        row = rows.setdefault(c.task.key, [est, 0.0, 0.0, ""])
+        if peak["judge"] > row[1]:
+            row[1], row[3] = peak["judge"], max(phases, key=phases.get, default="")
         row[2] = max(row[2], peak.get("runner") or 0.0)
     if rows:
         print(f"\n{p.label}: GPU memory per task (GiB), estimate vs peak reserved")
-        print(f"{'task':>8} {'estimate':>9} {'judge':>7} {'runner':>7} {'sum':>7}")
-    for key, (est, j, r) in sorted(rows.items()):
-        print(f"{key:>8} {est:>9.1f} {j:>7.1f} {r:>7.1f} {j + r:>7.1f}{'  over' if j + r > est else ''}")
+        print(f"{'task':>8} {'estimate':>9} {'judge':>7} {'runner':>7} {'sum':>7}  judge's peak phase")
+    for key, (est, j, r, phase) in sorted(rows.items()):
+        print(f"{key:>8} {est:>9.1f} {j:>7.1f} {r:>7.1f} {j + r:>7.1f}  {phase}{'  (over)' if j + r > est else ''}")
 
 
 def summary(args, candidates: list[Candidate], passes: list[Pass], diffs: list[Difference],

@@ -129,6 +129,11 @@ class Judge:
         now = _perf()
         self.details.setdefault("phase_s", {})[phase] = round(now - self.clock, 4)
         self.clock = now
+        if self.memory is not None:  # each phase's peak GPU memory here, to check `memory_estimate` against
+            import torch
+            peak = torch.cuda.max_memory_reserved(self.device)
+            self.details.setdefault("memory_peak_gib_by_phase", {})[phase] = round(peak / 2**30, 2)
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def ask(self, msg: dict) -> dict:
         """One request to the runner; its death or silence ends the evaluation."""
@@ -404,26 +409,28 @@ def setup(j: Judge) -> None:
 
 def _time_reference(j: Judge, seeds: list[int]) -> list[float]:
     """The reference under the same protocol as the candidate: fresh inputs, L2 flush, events."""
+    model = new_reference(j)
+    return [_reference_ms(j, model, s) for s in seeds]
+
+
+def _reference_ms(j: Judge, model, seed: int) -> float:
+    """One timed reference call (its inputs and output are freed before the next call's are made)."""
     import torch
-    model, times = new_reference(j), []
-    for s in seeds:
-        inputs = gen_inputs(j, s)
-        if j.flush is not None:
-            j.flush.fill_(float(s % 7))
-        _sync(j.device)
-        with torch.no_grad():
-            if j.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                model(*inputs)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = _perf()
-                model(*inputs)
-                times.append((_perf() - t0) * 1e3)
-    return times
+    inputs = gen_inputs(j, seed)
+    if j.flush is not None:
+        j.flush.fill_(float(seed % 7))
+    _sync(j.device)
+    with torch.no_grad():
+        if not j.cuda:
+            t0 = _perf()
+            model(*inputs)
+            return (_perf() - t0) * 1e3
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        model(*inputs)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
 
 
 def time_reference_alone(j: Judge) -> None:
@@ -464,17 +471,18 @@ def attach_runner(j: Judge) -> None:
 def calibrate(j: Judge) -> None:
     """Null calls through the runner, which has run no candidate code yet: what the judge's clock
     adds to the runner's own time per call (messages, the commit copy, the sync)."""
-    n = 10 if j.cuda else 3
-    residuals = []
-    for i in range(n):
-        c = call_candidate(j, j.seed + 900000 + i, "null")
-        ms = ipc.number(c.reply, "ms")
-        if ms is None:
-            raise Stop("runtime_error", "the runner's calibration call returned no time")
-        residuals.append(c.wall_ms - ms)
-    j.overhead_ms = median(residuals)
+    j.overhead_ms = median([_residual_ms(j, j.seed + 900000 + i) for i in range(10 if j.cuda else 3)])
     j.details["clock_overhead_ms"] = j.overhead_ms
     j.mark("calibrate")
+
+
+def _residual_ms(j: Judge, seed: int) -> float:
+    """The judge's time for one null call minus the runner's."""
+    c = call_candidate(j, seed, "null")
+    ms = ipc.number(c.reply, "ms")
+    if ms is None:
+        raise Stop("runtime_error", "the runner's calibration call returned no time")
+    return c.wall_ms - ms
 
 
 def _findings(j: Judge, reply: dict) -> None:
@@ -736,19 +744,22 @@ def _shared(j: Judge):
 def _time_candidate(j: Judge, seeds: list[int], checked: set[int], label: str) -> tuple[list[float], list[float]]:
     """The runner's times and this clock's; calls in `checked` are verified right after they
     return, from the slots they were committed to (the runner cannot know which)."""
-    events, walls = [], []
-    for k, s in enumerate(seeds):
-        c = call_candidate(j, s, "time")
-        ms = ipc.number(c.reply, "ms")
-        if ms is None or "mismatch" in c.reply:
-            raise Stop("runtime_error", f"{label} call {k}: no time or no output ({c.reply.get('mismatch', '')})")
-        if j.cfg["require_triton"] and not ipc.number(c.reply, "launches", 0):
-            j.hack("no_triton_kernel", f"{label} call {k} launched no candidate Triton kernel")
-        events.append(ms)
-        walls.append(c.wall_ms)
-        if k in checked:
-            verify(j, c, f"{label} call {k}")
-    return events, walls
+    times = [_candidate_ms(j, s, f"{label} call {k}", k in checked) for k, s in enumerate(seeds)]
+    return [e for e, _ in times], [w for _, w in times]
+
+
+def _candidate_ms(j: Judge, seed: int, label: str, check: bool) -> tuple[float, float]:
+    """One timed candidate call: (the runner's time, this clock's); its inputs are freed before
+    the next call's are made."""
+    c = call_candidate(j, seed, "time")
+    ms = ipc.number(c.reply, "ms")
+    if ms is None or "mismatch" in c.reply:
+        raise Stop("runtime_error", f"{label}: no time or no output ({c.reply.get('mismatch', '')})")
+    if j.cfg["require_triton"] and not ipc.number(c.reply, "launches", 0):
+        j.hack("no_triton_kernel", f"{label} launched no candidate Triton kernel")
+    if check:
+        verify(j, c, label)
+    return ms, c.wall_ms
 
 
 def _accepted_ms(j: Judge, events: list[float], walls: list[float]) -> float:
@@ -947,7 +958,9 @@ def _free_gpu(j: Judge) -> None:
     gc.collect()
     if j.memory is not None:
         import torch
-        j.details.setdefault("memory_peak_gib", {})["judge"] = round(torch.cuda.max_memory_reserved(j.device) / 2**30, 2)
+        phases = j.details.get("memory_peak_gib_by_phase", {}).values()
+        j.details.setdefault("memory_peak_gib", {})["judge"] = round(
+            max([torch.cuda.max_memory_reserved(j.device) / 2**30, *phases]), 2)
         torch.cuda.empty_cache()
         j.memory.release()
     if j.gpu is not None:

@@ -277,8 +277,12 @@ class Runner:
         names = set(msg.get("kernels") or [])
 
         def fn():
-            with self.torch.no_grad():
-                return self.model(*self.inputs)
+            self.recorder.begin()
+            try:
+                with self.torch.no_grad():
+                    self.model(*self.inputs)
+            finally:
+                self.recorder.end()  # else the launch hook keeps every profiled call's tensors alive
         try:
             return {"profile": profiling.profile_cuda(fn, names, calls=int(msg.get("calls", 5)))}
         except BaseException as exc:  # noqa: BLE001
