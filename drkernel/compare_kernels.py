@@ -21,7 +21,7 @@ _BLOCK = {"cuda": 1024, "cpu": 1 << 16}
 _PROGRAMS = 4096  # at most; each program walks one contiguous range of blocks
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "iters"])  # one compiled variant per dtype, whatever the size
 def _stats_kernel(c_ptr, r_ptr, part_ptr, n, iters, atol, rtol, WORK: tl.constexpr, BLOCK: tl.constexpr):
     """Per program: elements outside atol + rtol*|r|, non-finite elements, max |c - r|, max
     relative error, sum of squared errors, of squared reference values and of reference values."""
@@ -59,7 +59,7 @@ def _stats_kernel(c_ptr, r_ptr, part_ptr, n, iters, atol, rtol, WORK: tl.constex
     tl.store(row + 6, tl.sum(total.to(tl.float64), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "iters", "const"])
 def _answer_kernel(r_ptr, c_ptr, a_ptr, part_ptr, n, iters, const, atol, rtol,
                    USE_A: tl.constexpr, WORK: tl.constexpr, BLOCK: tl.constexpr):
     """Per program, for one trivial answer a (the tensor at a_ptr, or `const`): max |r - a|,

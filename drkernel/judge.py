@@ -168,10 +168,25 @@ def gen_inputs(j: Judge, seed: int, signed: bool = False) -> list:
         inputs = list(j.ref_mod.get_inputs())
     inputs = compare.map_tensors(inputs, lambda t: t.to(j.device))
     if signed:
-        g = torch.Generator(device=j.device).manual_seed(seed + 7919)
-        inputs = compare.map_tensors(inputs, lambda t: torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=g)
-                                     if t.is_floating_point() else t)
+        _redraw_signed(inputs, torch.Generator(device=j.device).manual_seed(seed + 7919))
     return inputs
+
+
+def _redraw_signed(inputs: list, g) -> None:
+    """Float tensors replaced, in order, by standard normals; each top-level one is let go before
+    its replacement is drawn, so that multi-GB inputs are never held twice."""
+    import torch
+
+    def draw(t):
+        return torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=g) if t.is_floating_point() else t
+    for i in range(len(inputs)):
+        item, inputs[i] = inputs[i], None
+        if isinstance(item, torch.Tensor) and item.is_floating_point():
+            shape, dtype, device = item.shape, item.dtype, item.device
+            item = None
+            inputs[i] = torch.randn(shape, dtype=dtype, device=device, generator=g)
+        else:  # integers, integer tensors, nested structures
+            inputs[i] = compare.map_tensors(item, draw)
 
 
 def _clone(obj):
@@ -437,6 +452,9 @@ def time_reference_alone(j: Judge) -> None:
     n = max(1, min(j.perf_n, int(j.cfg["ref_isolated_trials"])))
     j.ref_alone_ms = median(_time_reference(j, [j.seed + 100000 + i for i in range(n)]))
     j.bandwidth = _copy_bandwidth(j.device) if j.cuda else None
+    if j.cuda:
+        import torch
+        torch.cuda.empty_cache()  # the probe's 2 GiB, cached, would be split by later temporaries
     j.details["ref_ms_isolated"] = j.ref_alone_ms
     j.details["io_bytes"] = j.io_bytes
     if j.cuda:
@@ -600,7 +618,7 @@ def _trial(j: Judge, ti: int, seed: int, signed: bool, degenerate: bool) -> None
     t = j.spend("reference", t)
     _mutations(j, ti, call, pristine, ref_in)
     j.spend("mutations", t)
-    if signed and not all(bool(x.isfinite().all()) for x in compare.tensors(ref) if x.is_floating_point()):
+    if signed and not all(compare.all_finite(x) for x in compare.tensors(ref) if x.is_floating_point()):
         j.details.setdefault("trials", []).append({"trial": ti, "signed": True, "skipped": "reference not finite"})
         return
     if "mismatch" in call.reply:
