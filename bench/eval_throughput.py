@@ -47,7 +47,7 @@ SPEEDUP_TOLERANCE = 0.03  # a speedup further than this from 1 worker's is liste
 SPEEDUP_FLAG = 0.10  # and flagged beyond this
 DETAILS = ("phase_s", "split_s", "lock_wait_s", "memory_wait_s", "overhead_s", "retried_alone", "preflight",
            "timed_calls", "memory_estimate_gib", "memory_peak_gib", "memory_peak_gib_by_phase", "clock_extra_ms",
-           "clock_overhead_ms")  # kept per result
+           "clock_overhead_ms", "warm_up_s")  # kept per result
 
 
 @dataclasses.dataclass
@@ -200,9 +200,10 @@ def print_time_split(passes: list[Pass]) -> None:
         memory = sum(r.details.get("memory_wait_s") or 0.0 for r in p.results)
         outside = ", ".join(f"{k} {v:.1f}" for k, v in _summed(p.results, "overhead_s").items())
         retried = sum(bool(r.details.get("retried_alone")) for r in p.results)
+        warm = sum(r.details.get("warm_up_s") or 0.0 for r in p.results)
         print(f"{p.label}: job seconds by phase: {phases}\n  by kind of work: {split}\n  waiting for the GPU "
               f"lock: {waits}; for memory: {memory:.1f}; re-run alone: {retried}\n  pre-flight and sandbox "
-              f"job seconds: {outside}")
+              f"job seconds: {outside}; comparison kernels' warm-up (no lock held): {warm:.1f}")
 
 
 def print_memory(p: Pass, candidates: list[Candidate], floor_gib: float = 4.0) -> None:

@@ -131,6 +131,18 @@ def _work(*ts: torch.Tensor):
     return tl.float64 if any(t.dtype == torch.float64 for t in ts) else tl.float32
 
 
+def warm_up(device: torch.device) -> None:
+    """Compile (or fetch from Triton's disk cache) the float32 kernels without launching them:
+    Triton's start in a fresh process costs most of a second of CPU time, which a judge pays
+    here, before it holds the GPU, rather than inside its first comparison."""
+    x = torch.empty(_BLOCK["cuda"], dtype=torch.float32, device=device)
+    part = torch.empty(1, 7, dtype=torch.float64, device=device)
+    _stats_kernel.warmup(x, x, part, x.numel(), 1, 0.0, 0.0, WORK=tl.float32, BLOCK=_BLOCK["cuda"], grid=(1,))
+    for use_a in (False, True):
+        _answer_kernel.warmup(x, x, x, part, x.numel(), 1, 0.0, 0.0, 0.0, USE_A=use_a, WORK=tl.float32,
+                              BLOCK=_BLOCK["cuda"], grid=(1,))
+
+
 def stats(c: torch.Tensor, r: torch.Tensor, atol: float, rtol: float) -> Stats:
     """The comparison figures of two equally shaped floating tensors on one device (one sync)."""
     c, r = _flat(c), _flat(r)

@@ -404,6 +404,7 @@ def setup(j: Judge) -> None:
     except Exception as exc:
         raise Stop("runtime_error", _exc_error("the reference failed", exc)) from None
     if j.cuda:  # memory first: waiting for it while holding the GPU lock could deadlock
+        _warm_up_comparisons(j)
         _reserve_memory(j)
         _lock_gpu(j, alone=j.exclusive)
     try:
@@ -651,13 +652,15 @@ def _lock_gpu(j: Judge, alone: bool) -> None:
 
 def memory_estimate(ref_mod, total: int) -> int:
     """GPU bytes one evaluation may hold at once: the reference's parameters three times (the
-    template, a fresh copy, the candidate's model), its inputs twice (the arena, the fresh inputs
-    the reference also runs on, unless it writes into them: rare, and not counted), its outputs three times (the arena's slots, the candidate's
-    output and its previous one in the runner), the peak of the reference's forward (output and
-    intermediates) and 2 GiB for the two CUDA contexts and the comparisons' chunks. Sizes come
-    from the meta device (no memory, no work). A forward that does not run there within two
-    seconds (recurrent layers step by step) counts its output and peak as large as its inputs; a
-    reference that cannot even be built there is assumed to need half the GPU."""
+    template, a fresh copy, the candidate's model); its inputs three times (the arena, the fresh
+    inputs the reference also runs on, and one more input's worth that the judge's caching
+    allocator holds in practice, measured on an H200; a reference that writes into its inputs
+    runs on yet another copy, not counted); its outputs three times (the arena's slots, the
+    candidate's output and its previous one in the runner); the peak of the reference's forward
+    (output and intermediates); and 2 GiB for the two CUDA contexts. Sizes come from the meta
+    device (no memory, no work). A forward that does not run there within two seconds (recurrent
+    layers step by step) counts its output and peak as large as its inputs; a reference that
+    cannot even be built there is assumed to need half the GPU."""
     import torch
     try:
         with torch.device("meta"):
@@ -668,7 +671,7 @@ def memory_estimate(ref_mod, total: int) -> int:
     except Exception:
         return total // 2
     outs, peak = _meta_forward_bytes(model, inputs, ins)
-    return 3 * params + 2 * ins + 3 * outs + peak + 2 * 2**30
+    return 3 * params + 3 * ins + 3 * outs + peak + 2 * 2**30
 
 
 class _LiveBytes:
@@ -724,6 +727,18 @@ def _meta_forward_bytes(model, inputs: list, fallback: int, limit_s: float = 2.0
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _warm_up_comparisons(j: Judge) -> None:
+    """Triton's start for the comparison kernels, paid before this job holds the GPU (CPU work
+    only). A failure here costs nothing but time: the first comparison compiles them anyway."""
+    from drkernel import compare_kernels
+    t = _perf()
+    try:
+        compare_kernels.warm_up(j.device)
+    except Exception as exc:  # noqa: BLE001 - an optimisation, never a verdict
+        j.details["warm_up_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    j.details["warm_up_s"] = round(_perf() - t, 3)
 
 
 def _reserve_memory(j: Judge) -> None:
