@@ -674,38 +674,36 @@ def memory_estimate(ref_mod, total: int) -> int:
     return 3 * params + 3 * ins + 3 * outs + peak + 2 * 2**30
 
 
-class _LiveBytes:
-    """Bytes of the storages created under it that are still alive, and their peak (a
-    TorchDispatchMode on the meta device: new storages counted, freed ones subtracted)."""
+def _live_bytes_mode():
+    """A TorchDispatchMode that counts the bytes of the storages created under it while they are
+    alive (`live`) and their high-water mark (`peak`); views and in-place results add nothing."""
+    import weakref
 
-    def __init__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-        outer = self
+    class LiveBytes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+            self.storages: set[int] = set()
 
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                outer.created(compare.tensors(out), compare.tensors([args, kwargs]))
-                return out
-        self.mode, self.live, self.peak, self.storages = Mode(), 0, 0, set()
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            known = self.storages | {t.untyped_storage()._cdata for t in compare.tensors([args, kwargs])}
+            for t in compare.tensors(out):
+                st = t.untyped_storage()
+                if st._cdata not in known:
+                    known.add(st._cdata)
+                    self.storages.add(st._cdata)
+                    self.live += st.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(st, self._freed, st._cdata, st.nbytes())
+            return out
 
-    def created(self, ts: list, operands: list) -> None:
-        import weakref
-        known = self.storages | {t.untyped_storage()._cdata for t in operands}
-        for t in ts:
-            st = t.untyped_storage()
-            if st._cdata in known:  # a view or an in-place result
-                continue
-            known.add(st._cdata)
-            self.storages.add(st._cdata)
-            self.live += st.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(st, self.freed, st._cdata, st.nbytes())
-
-    def freed(self, key: int, nbytes: int) -> None:
-        self.storages.discard(key)
-        self.live -= nbytes
+        def _freed(self, key: int, nbytes: int) -> None:
+            self.storages.discard(key)
+            self.live -= nbytes
+    return LiveBytes()
 
 
 def _meta_forward_bytes(model, inputs: list, fallback: int, limit_s: float = 2.0) -> tuple[int, int]:
@@ -717,9 +715,9 @@ def _meta_forward_bytes(model, inputs: list, fallback: int, limit_s: float = 2.0
         raise TimeoutError
     previous = signal.signal(signal.SIGALRM, stop)
     signal.setitimer(signal.ITIMER_REAL, limit_s)
-    live = _LiveBytes()
+    live = _live_bytes_mode()
     try:
-        with torch.device("meta"), torch.no_grad(), live.mode:
+        with torch.device("meta"), torch.no_grad(), live:
             out = model(*inputs)
         return compare.nbytes(compare.tensors(out)), live.peak
     except Exception:
