@@ -1,19 +1,44 @@
 """Evaluate candidate kernels on KernelBench (or the bundled tasks) and report the paper's metrics.
 
-    python evaluate.py                                   # bundled Triton solutions on bundled tasks
+    python evaluate.py                                   # the base configuration: our bundled
+                                                         # Triton solutions on the bundled tasks
     python evaluate.py --tasks ../shared/kernelbench --levels 1,2 --candidates runs/my_run
     python evaluate.py --candidates generations.jsonl --output_dir outputs/eval_rl
 
-Candidates: a directory in one of `drkernel.layouts`' layouts, or a `.jsonl` of generations
-(`level, problem_id, sample, turn, code`). Every result row is appended to
-`<output_dir>/results.jsonl` (and flushed) as soon as it is known; a rerun with
-`--resume true` (the default) skips the attempts already there, so a killed run loses
-nothing but the chunk in flight. Missing attempts count as failures in the metrics.
-Then `summary.json`, plots and `report.md` are written and the table is printed.
+The base configuration is the `EvaluateConfig` defaults; every `--key value` changes one setting
+(`--help` lists them) and the first line printed names the base and the changes. A bad option or
+value, a device this machine lacks or an unreadable candidates path stops the run with one
+`evaluate.py: error: ...` line (exit status 2); once the evaluation runs the status is 0,
+whatever the verdicts.
 
-`--baseline compile` times the reference under `torch.compile`: the reference file is
-rewritten so that its `Model.forward` is compiled (needs a GPU or a working inductor C++
-toolchain; on CPU without one every reference fails and so does every attempt).
+Candidates: a directory in one of `drkernel.layouts`' layouts, or a `.jsonl` of generations
+(`level, problem_id, sample, turn, code`, generate.py's output). Bad input never stops the run:
+a line that is not a JSON object (a killed generate.py leaves a cut last line), a row with a
+missing or mistyped field, a file that is not UTF-8 text, a failed generation, a candidate for a
+problem that is not among the selected tasks and a result whose verdict is `reference_error`
+(the reference failed, not the candidate) are skipped, and the summary names each with its
+file/line, attempt and reason. Problems with a reference error are left out of the metrics.
+
+Which problems count: a missing attempt of a counted problem is a failure. With `--denominator
+auto` (the default) a generations file counts the problems it holds generations for, unless
+`--problem_ids` selects problems (then those count); a directory or the bundled solutions count
+every selected problem. `--denominator selected | candidates` chooses explicitly.
+
+Results: every row is appended to `<output_dir>/results.jsonl` (and flushed) as soon as it is
+known, with the settings it was made with (`Settings`: device, baseline, timeout, the evaluator's
+verdict settings such as trials, perf_trials and tolerances, and the environment fingerprint of
+`drkernel.evalcache`). A rerun with `--resume true` (the default) reuses a stored row only for
+the same candidate and reference code, under equal settings, and when the cache would keep its
+verdict (`evalcache.cacheable`: not a timeout, a crash, out of memory or an evaluator failure the
+machine may have caused); every other attempt is evaluated again, and the run says how many and
+why. A killed run loses nothing but the chunk in flight. Then `summary.json`, plots and
+`report.md` are written and the table is printed.
+
+`--baseline compile` times the reference under `torch.compile` (compiled once per problem and
+process, outside the timing; correctness is still judged against the eager reference). It needs a
+GPU or a working inductor C++ toolchain; every result records its `baseline`. With
+`--fast_p_interval true` (the default) the report has a second Fast@p column that counts a
+speedup only when its 95 % interval clears p.
 
 On a machine without a GPU (`--device auto` resolves to cpu) Triton runs through its
 interpreter: `TRITON_INTERPRET=1` is set before anything imports triton.
@@ -26,22 +51,53 @@ import hashlib
 import os
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any, NoReturn, Sequence
 
-from drkernel.config import TaskSelection, compose, parse_config
-from drkernel.evaluator import EvalConfig, resolve_device
-from drkernel.jsonl import JsonlWriter, read_jsonl
+from drkernel.config import (COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Resolved, TaskSelection, compose,
+                             limit_problems, script_config)
+from drkernel.evalcache import cacheable, fingerprint, verdict_settings, with_environment
+from drkernel.evaluator import EvalConfig, EvalResult, device_problem, resolve_device
+from drkernel.jsonl import JsonlWriter, iter_jsonl
+from drkernel.layouts import Candidate, LayoutError, Scan, Skipped, attempt_name, scan_candidates
+from drkernel.tasks import Task
 
+PROG = "evaluate.py"
 RESULTS_FILE = "results.jsonl"
-KEY_FIELDS = ("level", "problem_id", "sample", "turn")
+FORMAT_ERROR = "format_error"  # a generation without code: recorded here, never evaluated
+REFERENCE_ERROR = "reference_error"
+DENOMINATORS = ("auto", "selected", "candidates")
 DROP_FIELDS = ("stdout", "stderr")  # kept short by the evaluator, but noise in results.jsonl
+SHOWN_SKIPPED = 20  # skipped inputs printed; summary.json lists all
+NO_CODE = {"verdict": FORMAT_ERROR, "error": "no code in the generation"}  # the result of a generation without code
+HELP = """usage: python evaluate.py [--config file.yaml] [--key value ...]
+
+With no options, evaluate.py runs its base configuration: the EvaluateConfig defaults listed
+below (our bundled Triton solutions on the bundled tasks, on a GPU when one is visible, else on
+the CPU). Each --key value changes one setting; --config file.yaml changes several. Rerun with
+the same --output_dir to resume: stored results made with other settings, or whose verdict the
+machine may have caused (timeout, crash, out of memory), are evaluated again.
+Exit status: 0 when the evaluation ran (whatever the verdicts), 2 for a usage error.
+"""
+Key = tuple[int, int, int, int]  # (level, problem_id, sample, turn)
+Problem = tuple[int, int]  # (level, problem_id)
+
+
+def fail(message: str) -> NoReturn:
+    """One `evaluate.py: error: ...` line on stderr, then exit status 2 (a usage error)."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 @dataclasses.dataclass
 class EvaluateConfig(TaskSelection):
     SHARED = ((EvalConfig, {"device": "device", "trials": "trials", "perf_trials": "perf_trials",
                             "timeout": "timeout", "require_triton": "require_triton",
-                            "cache_dir": "cache_dir"}),)
+                            "cache_dir": "cache_dir", "baseline": "baseline",
+                            "require_confinement": "require_confinement"}),)
+    LIMITS = {"trials": COUNT, "perf_trials": NON_NEGATIVE, "timeout": POSITIVE, "workers": NON_NEGATIVE,
+              "samples": COUNT, "chunk_size": NON_NEGATIVE}
 
     candidates: str = dataclasses.field(default="", metadata={
         "help": "directory (see drkernel/layouts.py) or .jsonl of generations; empty = bundled solutions"})
@@ -53,11 +109,21 @@ class EvaluateConfig(TaskSelection):
     cache_dir: str = dataclasses.field(default=EvalConfig.cache_dir, metadata={
         "help": "on-disk evaluation cache (shared with train.py and generate.py); empty = none"})
     workers: int = dataclasses.field(default=0, metadata={"help": "sandbox workers; 0 = auto"})
-    baseline: str = dataclasses.field(default="eager", metadata={
-        "help": "eager | compile (reference under torch.compile; needs a GPU/working inductor)"})
-    resume: bool = dataclasses.field(default=True, metadata={"help": "skip attempts already in results.jsonl"})
+    baseline: str = dataclasses.field(default=EvalConfig.baseline, metadata={
+        "help": "eager | compile: speedups against the reference as written or under torch.compile "
+                "(compiled once per problem, outside the timing; needs a GPU or a working inductor)"})
+    require_confinement: bool = dataclasses.field(default=EvalConfig.require_confinement, metadata={
+        "help": "refuse to evaluate where the kernel cannot confine candidate code; false only for trusted code"})
+    fast_p_interval: bool = dataclasses.field(default=True, metadata={
+        "help": "also report Fast@p counting a speedup only when its 95 % interval clears p"})
+    resume: bool = dataclasses.field(default=True, metadata={
+        "help": "reuse the results in results.jsonl made for the same code under the same settings"})
     samples: int = dataclasses.field(default=1, metadata={
         "help": "samples expected per problem (missing ones count as failures); more are used if present"})
+    denominator: str = dataclasses.field(default="auto", metadata={
+        "help": "which problems count (a missing attempt is a failure): selected (every selected task) | "
+                "candidates (those with a candidate) | auto (candidates for a .jsonl of generations "
+                "without --problem_ids, else selected)"})
     chunk_size: int = dataclasses.field(default=0, metadata={
         "help": "evaluations per evaluate_many call (results are saved per chunk); 0 = 2 x workers, at least 4"})
     require_triton: bool = dataclasses.field(default=EvalConfig.require_triton, metadata={
@@ -73,251 +139,492 @@ def make_evaluator(cfg: EvaluateConfig, device: str):
 
 
 # --------------------------------------------------------------------------------------
-# references
+# the command line
 # --------------------------------------------------------------------------------------
 
-COMPILE_WRAPPER = '''
-
-# ---- added by drkernel evaluate.py --baseline compile: time Model under torch.compile ----
-import torch as _drk_torch
-
-_DrkEagerModel = Model
+def parse_args(argv: Sequence[str]) -> Resolved[EvaluateConfig]:
+    """The EvaluateConfig defaults <- --config <- flags; `--help` also says what a bare run does."""
+    return script_config(EvaluateConfig, argv, PROG, HELP + "\n")
 
 
-class Model(_DrkEagerModel):
-    """The original Model (same constructor, parameters and init order) with forward compiled."""
+def check_config(cfg: EvaluateConfig) -> None:
+    """Bad values stop the run before anything is loaded, all named in one line."""
+    problems = limit_problems(cfg)
+    if cfg.denominator not in DENOMINATORS:
+        problems.append(f"--denominator must be one of {', '.join(DENOMINATORS)}, not {cfg.denominator!r}")
+    if cfg.candidates and not Path(cfg.candidates).exists():
+        problems.append(f"--candidates {cfg.candidates}: no such file or directory")
+    if problems:
+        fail("; ".join(problems))
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._drk_compiled_forward = _drk_torch.compile(super().forward)
 
-    def forward(self, *args, **kwargs):
-        return self._drk_compiled_forward(*args, **kwargs)
-'''
+def start_line(run: Resolved[EvaluateConfig]) -> str:
+    """The line printed at start: where the settings come from, the candidates and the tasks."""
+    cfg = run.cfg
+    candidates = cfg.candidates or "our bundled Triton solutions"
+    return f"{run.start_line(PROG)}; candidates: {candidates}; tasks: {cfg.tasks}"
 
 
-def reference_code(task, baseline: str) -> str:
-    if baseline == "eager":
-        return task.code
-    if baseline == "compile":
-        return task.code.rstrip("\n") + "\n" + COMPILE_WRAPPER
-    raise ValueError(f"--baseline must be eager or compile, not {baseline!r}")
+def check_device(name: str) -> str:
+    """The device to evaluate on (`auto` resolved); one this machine lacks is a usage error.
+    Call before anything imports triton (`resolve_device` turns on its interpreter on cpu). The
+    parent asks torch only whether CUDA is available, which leaves later forks usable."""
+    problem = device_problem(name)
+    if problem:
+        fail(problem)
+    return resolve_device(name)
 
+
+def load_selected_tasks(cfg: EvaluateConfig) -> list[Task]:
+    """The selected tasks; an unreadable or empty selection is a usage error."""
+    try:
+        return cfg.selected_tasks()
+    except ConfigError as exc:
+        fail(str(exc))
+
+
+# --------------------------------------------------------------------------------------
+# references
+# --------------------------------------------------------------------------------------
 
 # --------------------------------------------------------------------------------------
 # candidates
 # --------------------------------------------------------------------------------------
 
-def bundled_candidates(tasks, samples: int) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    """One candidate paired with its task (`reference`, whose `digest` identifies its code)."""
+
+    candidate: Candidate
+    reference: Task
+
+    @property
+    def key(self) -> Key:
+        return self.reference.level, self.reference.problem_id, self.candidate.sample, self.candidate.turn
+
+    @property
+    def candidate_sha(self) -> str | None:
+        code = self.candidate.code
+        return None if code is None else hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass
+class Inputs:
+    """What the candidates gave: one attempt per key (a failed generation among them, counted
+    but never evaluated) and the skipped inputs."""
+
+    attempts: dict[Key, Attempt] = dataclasses.field(default_factory=dict)
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
+
+    def add(self, attempt: Attempt) -> None:
+        """`attempt`, unless one for its key came first (then it is skipped, naming the first)."""
+        c = attempt.candidate
+        first = self.attempts.setdefault(attempt.key, attempt)
+        if first is not attempt:
+            self.skip(c, f"a second candidate for this attempt (the first: {first.candidate.origin})", attempt)
+        elif c.generation_error is not None:
+            self.skip(c, f"the generation failed: {c.generation_error}", attempt)
+
+    def skip(self, c: Candidate, reason: str, attempt: Attempt | None = None) -> None:
+        self.skipped.append(Skipped(c.origin, reason, attempt_name(*attempt.key) if attempt else c.describe()))
+
+    def to_evaluate(self) -> list[Attempt]:
+        return [a for a in self.attempts.values() if a.candidate.generation_error is None]
+
+
+@dataclasses.dataclass
+class TaskIndex:
+    """Finds the task a candidate is for."""
+
+    by_key: dict[Problem, Task]
+    by_name: dict[str, Task]
+    by_pid: dict[int, list[Task]]
+    all_bundled: bool
+
+    @classmethod
+    def of(cls, tasks: Sequence[Task]) -> "TaskIndex":
+        by_pid: dict[int, list[Task]] = {}
+        for t in tasks:
+            by_pid.setdefault(t.problem_id, []).append(t)
+        return cls({(t.level, t.problem_id): t for t in tasks}, {t.name: t for t in tasks}, by_pid,
+                   bool(tasks) and all(t.source == "bundled" for t in tasks))
+
+    def _only(self, problem_id: int) -> Task | None:
+        found = self.by_pid.get(problem_id, [])
+        return found[0] if len(found) == 1 else None
+
+    def find(self, c: Candidate) -> Task | None:
+        """By (level, problem_id). A candidate known by file name only (level None) matches the
+        task of that name, else the only task with its problem id; with the bundled tasks (all
+        level 0) a candidate's level is ignored, so a `level_1/...` tree of them still matches."""
+        if c.level is None:
+            return self.by_name.get(c.name or "") or self._only(c.problem_id)
+        found = self.by_key.get((c.level, c.problem_id))
+        return found or (self._only(c.problem_id) if self.all_bundled else None)
+
+
+def bundled_candidates(tasks: Sequence[Task], samples: int) -> list[Candidate]:
+    """Our solution of each bundled task that has one, `samples` times."""
     from drkernel.tasks import bundled_solution
 
     out = []
     for t in tasks:
         path = bundled_solution(t)
-        if path is None:
-            continue
-        code = Path(path).read_text()
-        out.extend({"level": t.level, "problem_id": t.problem_id, "sample": s, "turn": 0,
-                    "path": str(path), "code": code, "name": t.name} for s in range(samples))
+        if path is not None:
+            code = path.read_text()
+            out += [Candidate(t.level, t.problem_id, s, 0, str(path), code, t.name, str(path)) for s in range(samples)]
     return out
 
 
-def match_candidates(cands: list[dict], tasks) -> tuple[list[tuple[dict, object]], list[dict]]:
-    """Pair each candidate with its task by (level, problem_id).
-
-    Candidates known by file name only (level None) match the task of that file name, else
-    the only task with that problem id. With the bundled tasks (all level 0) a candidate's
-    level is ignored, so a `level_1/...` tree of bundled solutions still matches.
-    Returns (matched pairs, unmatched candidates)."""
-    by_key = {(t.level, t.problem_id): t for t in tasks}
-    by_name = {t.name: t for t in tasks}
-    by_pid: dict[int, list] = {}
-    for t in tasks:
-        by_pid.setdefault(t.problem_id, []).append(t)
-    all_bundled = bool(tasks) and all(getattr(t, "source", "") == "bundled" for t in tasks)
-    matched, unmatched = [], []
-    for c in cands:
-        task = None
-        if c.get("level") is None:
-            task = by_name.get(c.get("name"))
-            if task is None and len(by_pid.get(c["problem_id"], [])) == 1:
-                task = by_pid[c["problem_id"]][0]
-        else:
-            task = by_key.get((c["level"], c["problem_id"]))
-            if task is None and all_bundled and len(by_pid.get(c["problem_id"], [])) == 1:
-                task = by_pid[c["problem_id"]][0]
-        if task is None:
-            unmatched.append(c)
-        else:
-            matched.append(({**c, "level": task.level}, task))
-    return matched, unmatched
+def selection_text(cfg: EvaluateConfig) -> str:
+    return f"tasks={cfg.tasks} levels={cfg.levels} problem_ids={cfg.problem_ids or 'all'}"
 
 
-# --------------------------------------------------------------------------------------
-# results.jsonl
-# --------------------------------------------------------------------------------------
-
-def row_key(row: dict) -> tuple[int, int, int, int]:
-    return tuple(int(row.get(k) or 0) for k in KEY_FIELDS)  # type: ignore[return-value]
-
-
-def read_results(path: Path) -> tuple[list[dict], int]:
-    """Rows of results.jsonl; lines that are not complete JSON objects (a write cut by a kill)
-    are skipped and counted."""
-    rows, bad = [], 0
-    found, unreadable = read_jsonl(path)
-    for row in found:
+def read_candidates(cfg: EvaluateConfig, tasks: Sequence[Task]) -> Scan:
+    """--candidates (an unusable path is a usage error), or our bundled solutions."""
+    if cfg.candidates:
         try:
-            row_key(row)
-        except (TypeError, ValueError, AttributeError):
+            return scan_candidates(cfg.candidates)
+        except LayoutError as exc:
+            fail(str(exc))
+    found = bundled_candidates(tasks, cfg.samples)
+    if not found:
+        fail("there are no bundled solutions for these tasks; pass --candidates DIR_OR_JSONL")
+    return Scan(found)
+
+
+def collect_inputs(cfg: EvaluateConfig, tasks: Sequence[Task]) -> Inputs:
+    """The candidates paired with their tasks; the unreadable ones, those for no selected task,
+    second candidates for one attempt and failed generations are skipped."""
+    scan = read_candidates(cfg, tasks)
+    index = TaskIndex.of(tasks)
+    inputs = Inputs(skipped=list(scan.skipped))
+    for c in scan.candidates:
+        task = index.find(c)
+        if task is None:
+            inputs.skip(c, f"no such problem among the selected tasks ({selection_text(cfg)})")
+        else:
+            inputs.add(Attempt(c, task))
+    if not inputs.attempts:
+        print(f"[evaluate] warning: no usable candidate for the selected tasks ({selection_text(cfg)})",
+              file=sys.stderr)
+    return inputs
+
+
+# --------------------------------------------------------------------------------------
+# results.jsonl: one typed row per attempt, with the settings it was made with
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Everything besides the two programs that can change a result. A stored result stands for
+    an attempt only when these are equal."""
+
+    device: str  # resolved: cpu | cuda | cuda:N
+    baseline: str
+    timeout: float
+    evaluator: dict[str, Any]  # the EvalConfig fields that can change a verdict (evalcache.verdict_settings)
+    environment: dict[str, str]  # where it ran (evalcache.fingerprint)
+
+    @classmethod
+    def of(cls, cfg: EvaluateConfig, device: str) -> "Settings":
+        eval_cfg = compose(cfg, EvalConfig, device=device)
+        return cls(device, cfg.baseline, float(cfg.timeout), verdict_settings(eval_cfg), fingerprint(device))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Settings":
+        """The record stored with a row (TypeError when it is not one)."""
+        settings = cls(**data)
+        if not (isinstance(settings.evaluator, dict) and isinstance(settings.environment, dict)):
+            raise TypeError("settings.evaluator and settings.environment must be objects")
+        return settings
+
+    def flat(self) -> dict[str, Any]:
+        env = {f"environment.{k}": v for k, v in self.environment.items()}
+        return {"device": self.device, "baseline": self.baseline, "timeout": self.timeout, **self.evaluator, **env}
+
+    def changes_from(self, stored: "Settings") -> list[str]:
+        """`name stored -> now` for each setting that differs from `stored`'s."""
+        old, new = stored.flat(), self.flat()
+        return [f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+                if old.get(k) != new.get(k)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultRow:
+    """One line of results.jsonl: the attempt, the code it evaluated, the settings, the result."""
+
+    level: int
+    problem_id: int
+    sample: int
+    turn: int
+    task: str
+    candidate: str  # where the candidate was read: a file, or `generations.jsonl:LINE`
+    candidate_sha: str | None  # None: the generation held no code
+    reference_sha: str
+    settings: Settings
+    result: EvalResult
+
+    @classmethod
+    def of(cls, attempt: Attempt, settings: Settings, result: EvalResult) -> "ResultRow":
+        return cls(*attempt.key, attempt.reference.name, attempt.candidate.origin, attempt.candidate_sha,
+                   attempt.reference.digest, settings, result)
+
+    @property
+    def key(self) -> Key:
+        return self.level, self.problem_id, self.sample, self.turn
+
+    def to_dict(self) -> dict:
+        """The stored line: the result's fields, the identity, the settings record (and, for
+        readers that filter rows, `baseline` and `require_triton` as columns)."""
+        out = {k: v for k, v in self.result.to_dict().items() if k not in DROP_FIELDS}
+        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "result"})
+        out.update(settings=dataclasses.asdict(self.settings), baseline=self.settings.baseline,
+                   require_triton=self.settings.evaluator.get("require_triton"))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ResultRow":
+        """A stored line (TypeError/ValueError when a field is missing or of the wrong type)."""
+        key = [data.get(k) for k in ("level", "problem_id", "sample", "turn")]
+        if not all(type(v) is int for v in key):
+            raise ValueError("level, problem_id, sample and turn must be integers")
+        result = EvalResult.from_dict(data)
+        if not (isinstance(result.verdict, str) and isinstance(result.details, dict)
+                and isinstance(result.hacks, list)):
+            raise TypeError("verdict, details or hacks of the wrong type")
+        return cls(*key, str(data.get("task")), str(data.get("candidate")), data.get("candidate_sha"),
+                   str(data.get("reference_sha")), Settings.from_dict(data.get("settings")), result)
+
+
+def read_results(path: Path) -> tuple[list[ResultRow], int]:
+    """The usable rows of results.jsonl, and how many lines were not (a write cut by a kill, a
+    row without the settings it was made with)."""
+    rows, bad = [], 0
+    for line in iter_jsonl(path):
+        try:
+            rows.append(ResultRow.from_dict(line.row or {}))
+        except (TypeError, ValueError):
             bad += 1
-            continue
-        rows.append(row)
-    return rows, bad + unreadable
+    return rows, bad
 
 
-def _sha(text: str | None) -> str | None:
-    return None if text is None else hashlib.sha256(text.encode()).hexdigest()[:16]
+def stored_results(path: Path, resume: bool) -> dict[Key, ResultRow]:
+    """The stored row of each attempt (the last of a key wins); with `resume` false the old file
+    is moved aside, never destroyed."""
+    if not resume:
+        if path.exists() and path.stat().st_size:
+            backup = path.with_name(f"results.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
+            os.replace(path, backup)
+            print(f"[evaluate] --resume false: moved the old results to {backup}", file=sys.stderr)
+        return {}
+    rows, bad = read_results(path)
+    if bad:
+        print(f"[evaluate] {bad} line(s) of {path} are not usable results (a write cut by a kill, or a row "
+              f"without its settings); their attempts are evaluated again", file=sys.stderr)
+    return {r.key: r for r in rows}
 
 
-def _result_dict(res) -> dict:
-    if isinstance(res, dict):
-        d = dict(res)
-    elif hasattr(res, "to_dict"):
-        d = res.to_dict()
-    else:
-        d = dataclasses.asdict(res)
-    for k in DROP_FIELDS:
-        d.pop(k, None)
-    return d
+def why_not_reused(row: ResultRow, attempt: Attempt, settings: Settings) -> str:
+    """Why `row` cannot stand for `attempt` under `settings` ('' when it can)."""
+    if (row.candidate_sha, row.reference_sha) != (attempt.candidate_sha, attempt.reference.digest):
+        return "the candidate or the reference changed"
+    changes = settings.changes_from(row.settings)
+    if changes:
+        return "made with other settings: " + ", ".join(changes)
+    if row.result.verdict != FORMAT_ERROR and not cacheable(row.result):
+        return f"its verdict ({row.result.verdict}) may have been caused by the machine, not the candidate"
+    return ""
 
 
-def _same_attempt(prev: dict | None, ident: dict) -> bool:
-    """A stored row stands for this attempt only if it evaluated the same candidate code
-    against the same reference and baseline, with the same Triton requirement (a row without
-    these fields is trusted)."""
-    return prev is not None and all(prev.get(k) in (None, ident[k])
-                                    for k in ("candidate_sha", "reference_sha", "baseline", "require_triton"))
+@dataclasses.dataclass
+class Plan:
+    """Which attempts keep their stored row and which are evaluated now (and why again)."""
 
+    reused: list[ResultRow] = dataclasses.field(default_factory=list)
+    todo: list[Attempt] = dataclasses.field(default_factory=list)
+    again: list[str] = dataclasses.field(default_factory=list)  # why, per stored row not reused
 
-def _identity(c: dict, task, ref_sha: str, baseline: str, require_triton: bool = True) -> dict:
-    return {"level": task.level, "problem_id": task.problem_id, "sample": c["sample"], "turn": c["turn"],
-            "task": task.name, "candidate": c.get("path"), "candidate_sha": _sha(c.get("code")),
-            "reference_sha": ref_sha, "baseline": baseline, "require_triton": require_triton}
+    @classmethod
+    def of(cls, attempts: Sequence[Attempt], stored: dict[Key, ResultRow], settings: Settings) -> "Plan":
+        plan = cls()
+        for a in attempts:
+            row = stored.get(a.key)
+            why = "new" if row is None else why_not_reused(row, a, settings)
+            if not why:
+                plan.reused.append(row)
+                continue
+            plan.todo.append(a)
+            if row is not None:
+                plan.again.append(why)
+        return plan
+
+    def announce(self) -> None:
+        if not (self.reused or self.again):
+            return
+        print(f"[evaluate] resume: {len(self.reused)} stored result(s) reused, {len(self.again)} evaluated again",
+              file=sys.stderr)
+        for why, n in Counter(self.again).most_common():
+            print(f"[evaluate]   {n} x {why}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------
-# main
+# evaluation
 # --------------------------------------------------------------------------------------
 
-def main(argv=None) -> dict:
-    cfg = parse_config(EvaluateConfig, argv)
-    device = resolve_device(cfg.device)  # before anything imports triton
+def as_result(answer: Any, environment: dict[str, str]) -> EvalResult:
+    """A copy of the evaluator's answer (an EvalResult, or its dict from a stand-in) stamped with
+    where it ran; the real evaluator stamps it itself, with the same fingerprint."""
+    result = EvalResult.from_dict(answer if isinstance(answer, dict) else answer.to_dict())
+    if "environment" not in result.details:
+        with_environment(result, environment)
+    return result
 
+
+def as_source(code: str) -> str:
+    """Candidate code as the evaluator's source text: a line without a newline would be read as a
+    file path, so one is added."""
+    return code if "\n" in code else code + "\n"
+
+
+def evaluate_chunk(evaluator, part: Sequence[Attempt], settings: Settings, writer: JsonlWriter,
+                   ref_dir: Path) -> list[ResultRow]:
+    """Evaluate `part` in one call and save each row."""
+    pairs = [(str(a.reference.write(ref_dir)), a.candidate.path or as_source(a.candidate.code or ""))
+             for a in part]
+    answers = evaluator.evaluate_many(pairs)
+    if len(answers) != len(part):
+        raise RuntimeError(f"evaluator returned {len(answers)} results for {len(part)} pairs")
+    rows = [ResultRow.of(a, settings, as_result(r, settings.environment)) for a, r in zip(part, answers)]
+    for row in rows:
+        writer.write(row.to_dict())
+    return rows
+
+
+def run_evaluator(cfg: EvaluateConfig, device: str, settings: Settings, attempts: Sequence[Attempt],
+                  writer: JsonlWriter, ref_dir: Path) -> list[ResultRow]:
+    """Evaluate `attempts` chunk by chunk; each chunk's rows are saved before the next starts."""
     from tqdm import tqdm
 
-    from drkernel import layouts, metrics, report
+    evaluator = make_evaluator(cfg, device)
+    size = cfg.chunk_size or max(4, 2 * (cfg.workers or 1))
+    rows: list[ResultRow] = []
+    try:
+        with tqdm(total=len(attempts), desc="evaluate", unit="kernel", file=sys.stderr) as bar:
+            for start in range(0, len(attempts), size):
+                part = attempts[start:start + size]
+                rows += evaluate_chunk(evaluator, part, settings, writer, ref_dir)
+                bar.update(len(part))
+    finally:
+        close = getattr(evaluator, "close", None)
+        if close:
+            close()
+    return rows
 
-    if cfg.baseline not in ("eager", "compile"):
-        raise SystemExit(f"evaluate.py: --baseline must be eager or compile, not {cfg.baseline!r}")
-    tasks = cfg.load_tasks()
-    if not tasks:
-        raise SystemExit(f"evaluate.py: no tasks for tasks={cfg.tasks!r} levels={cfg.level_list()} "
-                         f"problem_ids={cfg.problem_id_list() or None}")
 
-    if cfg.candidates:
-        cands = layouts.discover_candidates(cfg.candidates)
+def evaluate_attempts(cfg: EvaluateConfig, device: str, settings: Settings, attempts: Sequence[Attempt],
+                      out_dir: Path) -> list[ResultRow]:
+    """New rows for `attempts`: a generation without code is a format error, the rest are evaluated."""
+    with JsonlWriter(out_dir / RESULTS_FILE) as writer:
+        rows = [ResultRow.of(a, settings, as_result(NO_CODE, settings.environment))
+                for a in attempts if a.candidate.code is None]
+        for row in rows:
+            writer.write(row.to_dict())
+        todo = [a for a in attempts if a.candidate.code is not None]
+        if todo:
+            rows += run_evaluator(cfg, device, settings, todo, writer, out_dir / "references")
+    return rows
+
+
+# --------------------------------------------------------------------------------------
+# metrics
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Scope:
+    """What the metrics count: these problems, `samples` samples and `turns` turns each."""
+
+    problems: list[Problem]
+    samples: int
+    turns: int
+    description: str
+
+
+def metric_scope(cfg: EvaluateConfig, tasks: Sequence[Task], inputs: Inputs, broken: set[Problem]) -> Scope:
+    """The problems counted (`--denominator`), less those whose reference failed."""
+    mode = cfg.denominator
+    if mode == "auto":
+        generations = Path(cfg.candidates).suffix == ".jsonl" and not cfg.problem_ids
+        mode = "candidates" if generations else "selected"
+    selected = [(t.level, t.problem_id) for t in tasks]
+    if mode == "candidates":
+        wanted = {key[:2] for key in inputs.attempts}
+        problems = [p for p in selected if p in wanted]
+        description = (f"the {len(problems)} problem(s) with candidates (--denominator selected counts all "
+                       f"{len(selected)} selected)")
     else:
-        cands = bundled_candidates(tasks, max(1, cfg.samples))
-        if not cands:
-            raise SystemExit("evaluate.py: there are no bundled solutions for these tasks; "
-                             "pass --candidates DIR_OR_JSONL")
-    matched, unmatched = match_candidates(cands, tasks)
-    if unmatched:
-        print(f"[evaluate] {len(unmatched)} candidate(s) match no selected task (other levels or "
-              f"problem ids) and are skipped", file=sys.stderr)
+        problems, description = selected, f"all {len(selected)} selected problem(s)"
+    if broken:
+        problems = [p for p in problems if p not in broken]
+        description += f", less {len(broken)} whose reference failed"
+    keys = list(inputs.attempts)
+    samples = max([cfg.samples] + [k[2] + 1 for k in keys])
+    return Scope(problems, samples, 1 + max([k[3] for k in keys], default=0), description)
 
+
+def print_skipped(skipped: Sequence[Skipped]) -> None:
+    if not skipped:
+        return
+    print(f"[evaluate] skipped {len(skipped)} input(s) (not counted as evaluated attempts):", file=sys.stderr)
+    for s in skipped[:SHOWN_SKIPPED]:
+        print(f"[evaluate]   {s}", file=sys.stderr)
+    if len(skipped) > SHOWN_SKIPPED:
+        print(f"[evaluate]   ... and {len(skipped) - SHOWN_SKIPPED} more (all in summary.json)", file=sys.stderr)
+
+
+def write_outputs(cfg: EvaluateConfig, device: str, tasks: Sequence[Task], inputs: Inputs, plan: Plan,
+                  new: list[ResultRow]) -> dict:
+    """Summary, report files and the printed table over the current row of every attempt."""
+    from drkernel import metrics, report as reports
+
+    rows = plan.reused + new
+    failed_refs = [r for r in rows if r.result.verdict == REFERENCE_ERROR]
+    scope = metric_scope(cfg, tasks, inputs, {(r.level, r.problem_id) for r in failed_refs})
+    problems = set(scope.problems)
+    counted = [r.to_dict() for r in rows if (r.level, r.problem_id) in problems]
+    skipped = inputs.skipped + [Skipped(r.candidate, f"{REFERENCE_ERROR}: {r.result.error}", attempt_name(*r.key))
+                                for r in failed_refs]
+    summary = metrics.summarize(counted, scope.problems, samples=scope.samples, turns=scope.turns,
+                                intervals=cfg.fast_p_interval)
+    summary.update(config={**dataclasses.asdict(cfg), "device_resolved": device}, counted=scope.description,
+                   evaluated_this_run=len(new), skipped_resumed=len(plan.reused), evaluated_again=len(plan.again),
+                   num_reference_errors=len(failed_refs), num_skipped=len(skipped),
+                   skipped=[dataclasses.asdict(s) for s in skipped])
+    out_dir = Path(cfg.output_dir)
+    reports.write_report(summary, counted, out_dir, expected=scope.problems, samples=scope.samples,
+                         turns=scope.turns)
+    print_skipped(skipped)
+    print(f"[evaluate] counted: {scope.description}", file=sys.stderr)
+    print(reports.format_table(summary))
+    print(f"[evaluate] results: {out_dir / RESULTS_FILE}  report: {out_dir / 'report.md'}")
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    run = parse_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = run.cfg
+    check_config(cfg)
+    print(start_line(run), file=sys.stderr)
+    device = check_device(cfg.device)  # before anything imports triton
+    tasks = load_selected_tasks(cfg)
+    inputs = collect_inputs(cfg, tasks)
     out_dir = Path(cfg.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results_path = out_dir / RESULTS_FILE
-    if not cfg.resume and results_path.exists() and results_path.stat().st_size:
-        backup = results_path.with_name(f"results.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
-        os.replace(results_path, backup)  # a fresh start never destroys finished results
-        print(f"[evaluate] --resume false: moved the old results to {backup}", file=sys.stderr)
-    old_rows, bad = read_results(results_path) if cfg.resume else ([], 0)
-    if bad:
-        print(f"[evaluate] skipped {bad} unreadable line(s) in {results_path} (a run cut mid-write)",
-              file=sys.stderr)
-    done = {}
-    for r in old_rows:
-        done[row_key(r)] = r  # the last row of a key wins
-
-    ref_shas = {t.key: _sha(reference_code(t, cfg.baseline)) for t in tasks}
-    idents = [(c, task, _identity(c, task, ref_shas[task.key], cfg.baseline, cfg.require_triton))
-              for c, task in matched]
-    pending = [(c, t, i) for c, t, i in idents if not _same_attempt(done.get(row_key(i)), i)]
-
-    writer = JsonlWriter(results_path)
-    new_rows = []
-    try:
-        todo = [(c, t, i) for c, t, i in pending if c.get("code") is not None]
-        for c, t, ident in pending:
-            if c.get("code") is None:  # the generation held no code block
-                row = {**ident, "verdict": "format_error", "compiled": False, "correct": False,
-                       "speedup": None, "hacks": [], "error": "no code in the generation"}
-                writer.write(row)
-                new_rows.append(row)
-        if todo:
-            evaluator = make_evaluator(cfg, device)
-            chunk = cfg.chunk_size or max(4, 2 * (cfg.workers or 1))
-            ref_dir = out_dir / "references"
-            try:
-                with tqdm(total=len(todo), desc="evaluate", unit="kernel", file=sys.stderr) as bar:
-                    for start in range(0, len(todo), chunk):
-                        part = todo[start:start + chunk]
-                        pairs = []
-                        for c, t, _ in part:
-                            ref = reference_code(t, cfg.baseline)
-                            ref_path = ref_dir / f"ref_{t.level}_{t.problem_id}_{cfg.baseline}_{_sha(ref)}.py"
-                            if not ref_path.exists():
-                                ref_dir.mkdir(parents=True, exist_ok=True)
-                                tmp = ref_path.with_suffix(".tmp")
-                                tmp.write_text(ref)
-                                os.replace(tmp, ref_path)
-                            pairs.append((str(ref_path), c["path"] if c.get("path") else c["code"]))
-                        results = evaluator.evaluate_many(pairs)
-                        if len(results) != len(part):
-                            raise RuntimeError(f"evaluator returned {len(results)} results for {len(part)} pairs")
-                        for (c, t, ident), res in zip(part, results):
-                            row = {**ident, **_result_dict(res)}
-                            row.update({k: ident[k] for k in KEY_FIELDS})
-                            writer.write(row)
-                            new_rows.append(row)
-                        bar.update(len(part))
-            finally:
-                close = getattr(evaluator, "close", None)
-                if close:
-                    close()
-    finally:
-        writer.close()
-
-    # the metrics see exactly one row per current candidate: its latest matching result
-    latest = {}
-    for r in read_results(results_path)[0]:
-        latest[row_key(r)] = r
-    all_rows = [latest[row_key(i)] for _, _, i in idents if _same_attempt(latest.get(row_key(i)), i)]
-    expected = [(t.level, t.problem_id) for t in tasks]
-    max_sample = max([c["sample"] for c, _ in matched], default=0)
-    samples = max(cfg.samples, max_sample + 1)
-    turns = 1 + max([c["turn"] for c, _ in matched], default=0)
-    summary = metrics.summarize(all_rows, expected, samples=samples, turns=turns)
-    summary["config"] = {**dataclasses.asdict(cfg), "device_resolved": device}
-    summary["evaluated_this_run"] = len(new_rows)
-    summary["skipped_resumed"] = len(matched) - len(pending)
-    report.write_report(summary, all_rows, out_dir, expected=expected, samples=samples, turns=turns)
-    print(report.format_table(summary))
-    print(f"[evaluate] results: {results_path}  report: {out_dir / 'report.md'}")
-    return summary
+    settings = Settings.of(cfg, device)
+    plan = Plan.of(inputs.to_evaluate(), stored_results(out_dir / RESULTS_FILE, cfg.resume), settings)
+    plan.announce()
+    new = evaluate_attempts(cfg, device, settings, plan.todo, out_dir)
+    return write_outputs(cfg, device, tasks, inputs, plan, new)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,17 @@
 """Multi-turn generation on KernelBench (or the bundled tasks), evaluated turn by turn.
 
-    python generate.py                                       # SmolLM2 (offline) on the bundled tasks
+    python generate.py                                       # the base configuration: SmolLM2 (offline)
+                                                             # on the bundled tasks
     python generate.py --model runs/rl/final --tasks ../shared/kernelbench --levels 1,2 \\
         --samples_per_task 4 --num_turns 3 --output outputs/gen.jsonl
     python generate.py --api_base_url http://localhost:8000/v1 --api_model my-model ...  # any
                                                              # OpenAI-compatible endpoint
     python generate.py ... --stts_iterations 10 --num_turns 5 --stts_window 4   # the paper's STTS
+
+The base configuration is the `GenerateConfig` defaults; every `--key value` changes one
+setting (`--help` lists them), and the first line printed names the base, the changes and
+the policy. A bad option or value stops the run with one `generate.py: error: ...` line
+(exit status 2).
 
 Every trajectory goes through `drkernel.rollout.rollout`, the same prompts, truncation,
 evaluator calls and feedback messages as training; the evaluator is the sandboxed
@@ -19,46 +25,85 @@ round adds `num_turns - stts_window` turns by default, see `drkernel.stts.round_
 A summary (`drkernel.metrics`, best-of-turns Fast@p; per STTS round with `drkernel.stts`)
 goes to `<output stem>.summary.json` and is printed; report.md and plots to `<output stem>_report/`.
 
+API policy: transient failures are retried (`drkernel.api_policy`, one stderr line per retry,
+a progress bar over requests). A request that still fails ends its trajectory with a
+failure row (verdict `generation_failed`, the reason in `generation_error`, no reward); the
+other trajectories of the batch are written as usual, the failed round counts as missing
+in the summary, and a rerun generates it again.
+
 Resume: rows are appended and fsynced after each rollout call (`tasks_per_batch` tasks,
 one round). On restart (`--resume true`, the default) the (task, sample, round) units
-already complete in the file are skipped; rows of an incomplete unit and a partial last
-line (a kill mid-write) are dropped by rewriting the file first, so a rerun writes only
-the missing rows and never duplicates one. A later STTS round is rebuilt from the rows.
+already complete in the file are skipped; rows of an incomplete unit (including one with a
+failure row), malformed rows and a partial last line (a kill mid-write) are reported and
+dropped by rewriting the file first, so a rerun writes only the missing rows and never
+duplicates one. A file written with another model, turn plan or any of `ROW_SETTINGS` is
+refused, naming the keys. A later STTS round is rebuilt from the rows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
+
+from tqdm import tqdm
 
 from drkernel import stts
-from drkernel.config import ConfigError, ModelSelection, TaskSelection, compose, parse_config
-from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
+from drkernel.api_policy import ApiConfig, ApiError, ChatGenerator, Failure
+from drkernel.config import (COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, ModelSelection, Resolved,
+                             TaskSelection, changed_settings, compose, limit_problems, script_config)
+from drkernel.evaluator import EvalConfig, EvalResult, device_problem, resolve_device
 from drkernel.generation import GenerationConfig
-from drkernel.jsonl import JsonlWriter, json_safe, read_jsonl, write_json
+from drkernel.jsonl import JsonlWriter, iter_jsonl, json_safe, write_json
 from drkernel.rollout import RolloutConfig
 
 ROW_RESULT_FIELDS = ("verdict", "compiled", "correct", "speedup", "triton_time_share", "hacks", "error",
                      "ref_ms", "candidate_ms", "max_abs_err", "max_rel_err", "kernels", "timing")
-_E, _G, _Ro = EvalConfig, GenerationConfig, RolloutConfig  # defaults come from these (drkernel.config: SHARED)
+# Settings stored in every row: resuming with other values would mix two experiments in one file.
+ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompt_tokens", "seed", "stts_ties",
+                "device", "trials", "perf_trials", "timeout")
+ROW_COUNTS = ("sample", "turn", "iteration", "iter_turn", "level", "problem_id")  # non-negative integers
+MAX_ROUNDS = 10_000  # a larger `iteration` in a resumed row is corrupt, not a plan to rebuild
+GENERATION_FAILED = "generation_failed"  # the verdict of a turn whose request failed
+HELP = """usage: python generate.py [--config file.yaml] [--key value ...]
+
+With no options, generate.py runs its base configuration: the GenerateConfig defaults listed
+below (the offline SmolLM2 policy on the bundled tasks, evaluated here). Each --key value
+changes one setting; --config file.yaml changes several. --api_base_url URL --api_model NAME
+makes an OpenAI-compatible endpoint the policy.
+"""
+_E, _G, _Ro, _A = EvalConfig, GenerationConfig, RolloutConfig, ApiConfig  # defaults come from these (SHARED)
+
+
+def fail(message: str, status: int = 2) -> NoReturn:
+    """One `generate.py: error: ...` line on stderr, then exit (2: bad input; 1: the endpoint failed)."""
+    print(f"generate.py: error: {message}", file=sys.stderr)
+    raise SystemExit(status)
 
 
 @dataclasses.dataclass
 class GenerateConfig(ModelSelection, TaskSelection):
     SHARED = (
         (EvalConfig, {"device": "device", "trials": "trials", "perf_trials": "perf_trials", "timeout": "timeout",
-                      "eval_cache_dir": "cache_dir"}),
+                      "eval_cache_dir": "cache_dir", "baseline": "baseline",
+                      "require_confinement": "require_confinement"}),
         (GenerationConfig, {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
                             "top_k": "top_k", "backend": "backend", "batch_size": "batch_size"}),
         (RolloutConfig, {"num_turns": "num_turns", "max_prompt_tokens": "max_prompt_tokens"}),
+        (ApiConfig, {"api_base_url": "base_url", "api_model": "model", "api_key_env": "api_key_env",
+                     "api_concurrency": "concurrency", "api_timeout": "timeout", "api_max_attempts": "max_attempts",
+                     "api_backoff_s": "backoff_s"}),
     )
-
+    # the values each setting accepts, beside those the mirrored library configs declare (drkernel.config)
+    LIMITS = {"samples_per_task": COUNT, "num_turns": COUNT, "max_prompt_tokens": COUNT, "tasks_per_batch": COUNT,
+              "trials": COUNT, "perf_trials": COUNT, "timeout": POSITIVE, "workers": Limit(0, why="0 = auto"),
+              "seed": NON_NEGATIVE, "stts_iterations": COUNT, "stts_window": NON_NEGATIVE}
     samples_per_task: int = dataclasses.field(default=1, metadata={"help": "trajectories per task (num_generations)"})
     num_turns: int = dataclasses.field(default=_Ro.num_turns, metadata={"help": "turns per trajectory (STTS: see --stts_window_counts)"})
     temperature: float = dataclasses.field(default=_G.temperature, metadata={"help": "0 = greedy"})
@@ -77,6 +122,10 @@ class GenerateConfig(ModelSelection, TaskSelection):
     timeout: float = dataclasses.field(default=_E.timeout, metadata={"help": "seconds per evaluation"})
     eval_cache_dir: str = dataclasses.field(default=_E.cache_dir, metadata={
         "help": "on-disk evaluation cache (shared with train.py and evaluate.py); empty = none"})
+    baseline: str = dataclasses.field(default=_E.baseline, metadata={
+        "help": "eager | compile: speedups against the reference as written or under torch.compile"})
+    require_confinement: bool = dataclasses.field(default=_E.require_confinement, metadata={
+        "help": "refuse to evaluate where the kernel cannot confine candidate code; false only for trusted code"})
     workers: int = dataclasses.field(default=0, metadata={"help": "evaluator sandbox workers; 0 = auto"})
     output: str = "outputs/generations.jsonl"
     resume: bool = dataclasses.field(default=True, metadata={
@@ -91,38 +140,68 @@ class GenerateConfig(ModelSelection, TaskSelection):
                 "(KernelGYM: 10 rounds of 5 with a window of 4 = 14 turns); false: every round adds num_turns"})
     stts_ties: str = dataclasses.field(default="earliest", metadata={
         "help": "which of equally good windows starts the next round: earliest (KernelGYM) | latest"})
-    api_base_url: str = dataclasses.field(default="", metadata={
+    api_base_url: str = dataclasses.field(default=_A.base_url, metadata={
         "help": "OpenAI-compatible endpoint as the policy, e.g. http://localhost:8000/v1 (replaces --model)"})
-    api_model: str = dataclasses.field(default="", metadata={"help": "model name served by the endpoint"})
-    api_key_env: str = dataclasses.field(default="OPENAI_API_KEY", metadata={
+    api_model: str = dataclasses.field(default=_A.model, metadata={"help": "model name served by the endpoint"})
+    api_key_env: str = dataclasses.field(default=_A.api_key_env, metadata={
         "help": "environment variable holding the API key (unset: no auth header)"})
-    api_concurrency: int = dataclasses.field(default=8, metadata={"help": "API requests in flight"})
-    api_timeout: float = dataclasses.field(default=600.0, metadata={"help": "seconds per API request"})
+    api_concurrency: int = dataclasses.field(default=_A.concurrency, metadata={"help": "API requests in flight"})
+    api_timeout: float = dataclasses.field(default=_A.timeout, metadata={
+        "help": "seconds an API request waits for the server before it is retried"})
+    api_max_attempts: int = dataclasses.field(default=_A.max_attempts, metadata={
+        "help": "tries per API request (time-outs, resets, HTTP 429/5xx, replies that are not a chat "
+                "completion); then the turn is recorded as a failed generation"})
+    api_backoff_s: float = dataclasses.field(default=_A.backoff_s, metadata={
+        "help": "wait before the first retry; doubles after each (with jitter, at most 60 s; Retry-After wins)"})
 
     def round_turns(self) -> list[int]:
         """New turns per STTS round (`drkernel.stts.round_turns`)."""
         return stts.round_turns(self.num_turns, self.stts_window, self.stts_iterations, self.stts_window_counts)
 
 
+def parse_args(argv: Sequence[str]) -> Resolved[GenerateConfig]:
+    """The GenerateConfig defaults <- --config <- flags; `--help` also says what a bare run does."""
+    return script_config(GenerateConfig, argv, "generate.py", HELP + "\n")
+
+
 def check_config(cfg: GenerateConfig) -> None:
     """Bad values stop the run before anything is loaded, with a clear message."""
-    problems = []
-    for name in ("samples_per_task", "num_turns", "stts_iterations", "tasks_per_batch", "batch_size",
-                 "max_new_tokens", "max_prompt_tokens"):
-        if getattr(cfg, name) < 1:
-            problems.append(f"--{name} must be >= 1 (got {getattr(cfg, name)})")
-    if cfg.stts_window < 0:
-        problems.append(f"--stts_window must be >= 0 (got {cfg.stts_window})")
+    problems = limit_problems(cfg)
     if cfg.stts_ties not in stts.TIES:
         problems.append(f"--stts_ties must be one of {', '.join(stts.TIES)}, not {cfg.stts_ties!r}")
-    if cfg.temperature < 0 or not 0 < cfg.top_p <= 1:
-        problems.append("--temperature must be >= 0 and --top_p in (0, 1]")
     if cfg.backend not in ("hf", "static"):
         problems.append(f"--backend must be hf or static, not {cfg.backend!r}")
     if cfg.api_base_url and not cfg.api_model:
         problems.append("--api_base_url needs --api_model (the model name the endpoint serves)")
+    if _unwritable(Path(cfg.output)):
+        problems.append(f"--output {cfg.output}: not a file that can be written (a directory, or below a "
+                        f"file or a read-only directory)")
     if problems:
-        raise SystemExit("generate.py: " + "; ".join(problems))
+        fail("; ".join(problems))
+
+
+def _unwritable(path: Path) -> bool:
+    """`path` is a directory, or its nearest existing ancestor is not a writable directory."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    return path.is_dir() or not (parent.is_dir() and os.access(parent, os.W_OK))
+
+
+def start_line(run: Resolved[GenerateConfig]) -> str:
+    """The one line printed at start: where the settings come from, and the policy."""
+    cfg = run.cfg
+    policy = (f"the endpoint {cfg.api_base_url} serving model {cfg.api_model!r}" if cfg.api_base_url
+              else f"model {cfg.model}")
+    return f"{run.start_line('generate.py')}; policy: {policy}"
+
+
+def _resolve_device(name: str) -> str:
+    """auto -> cuda or cpu (`resolve_device`); cuda without a visible GPU is a clear error."""
+    problem = device_problem(name)
+    if problem:
+        fail(problem)
+    return resolve_device(name)  # before anything imports triton
 
 
 # --------------------------------------------------------------------------------------
@@ -143,11 +222,13 @@ class Policy:
 
 def load_policy(cfg: GenerateConfig, device: str) -> Policy:
     if cfg.api_base_url:
-        from drkernel.api_policy import ApiConfig, make_api_policy, prompt_budget
+        from drkernel.api_policy import make_api_policy, prompt_budget
 
-        api = ApiConfig(base_url=cfg.api_base_url, model=cfg.api_model, api_key_env=cfg.api_key_env,
-                        timeout=cfg.api_timeout, concurrency=cfg.api_concurrency)
-        codec, generator = make_api_policy(api, seed=cfg.seed)
+        api = compose(cfg, ApiConfig)
+        try:
+            codec, generator = make_api_policy(api, seed=cfg.seed)
+        except ApiError as exc:
+            fail(str(exc))
         return Policy(f"api:{cfg.api_model}", None, codec, generator,
                       prompt_budget(cfg.max_prompt_tokens, api.chars_per_token), counts_tokens=False)
     from drkernel.modeling import load_model, load_tokenizer
@@ -156,6 +237,11 @@ def load_policy(cfg: GenerateConfig, device: str) -> Policy:
     model = load_model(cfg.model, dtype=cfg.dtype)
     model.to(device).eval()
     return Policy(cfg.model, model, tokenizer, None, cfg.max_prompt_tokens)
+
+
+def chat_generator(policy: Policy) -> ChatGenerator | None:
+    """The policy's API generator (it tracks requests and failures), None for a local model."""
+    return policy.generator if isinstance(policy.generator, ChatGenerator) else None
 
 
 def make_evaluator(cfg: GenerateConfig, device: str):
@@ -181,86 +267,178 @@ def make_evaluate_fn(evaluator, reference_dir: str | os.PathLike) -> Callable[[l
 # rows and the resumable file
 # --------------------------------------------------------------------------------------
 
-def make_row(task, sample: int, iteration: int, plan: Sequence[int], num_turns: int, turn_sample,
+def _identity(cfg: GenerateConfig, plan: Sequence[int], task, sample: int, iteration: int, iter_turn: int,
+              policy: Policy) -> dict:
+    """The columns every row starts with: evaluate.py's `level, problem_id, sample, turn` (`turn`
+    is global: the round's offset in `plan`, turns per round, + the turn within it), the turn
+    plan, the model and `ROW_SETTINGS`."""
+    return {"level": task.level, "problem_id": task.problem_id, "task": task.name, "task_key": task.key,
+            "sample": int(sample), "turn": stts.round_offsets(plan)[iteration] + iter_turn,
+            "iteration": int(iteration), "iter_turn": int(iter_turn), "num_turns": int(cfg.num_turns),
+            "round_turns": int(plan[iteration]), "model": policy.name,
+            "settings": {k: getattr(cfg, k) for k in ROW_SETTINGS}}
+
+
+def make_row(cfg: GenerateConfig, plan: Sequence[int], task, sample: int, iteration: int, turn_sample,
              policy: Policy) -> dict:
-    """One JSONL row: identity (evaluate.py's `level, problem_id, sample, turn, code`; `turn` is
-    global: the round's offset in `plan` (turns per round) + the turn within it), the response,
-    the evaluator's result and the reward."""
+    """One JSONL row: identity (`_identity`), the response, the evaluator's result and the reward."""
     result = turn_sample.result
-    iter_turn = int(turn_sample.turn) - 1  # rollout counts turns from 1
-    row = {"level": task.level, "problem_id": task.problem_id, "task": task.name, "task_key": task.key,
-           "sample": int(sample), "turn": stts.round_offsets(plan)[iteration] + iter_turn,
-           "iteration": int(iteration), "iter_turn": iter_turn, "num_turns": int(num_turns),
-           "round_turns": int(plan[iteration]), "model": policy.name,
-           "response": turn_sample.response_text,
-           "code": turn_sample.code, "finished": bool(turn_sample.finished),
-           "response_tokens": len(turn_sample.response_ids) if policy.counts_tokens else None,
-           "reward": float(turn_sample.reward)}
+    row = _identity(cfg, plan, task, sample, iteration, int(turn_sample.turn) - 1, policy)  # rollout counts from 1
+    row.update({"response": turn_sample.response_text, "code": turn_sample.code,
+                "finished": bool(turn_sample.finished),
+                "response_tokens": len(turn_sample.response_ids) if policy.counts_tokens else None,
+                "reward": float(turn_sample.reward), "generation_error": None})
     row.update({k: getattr(result, k) for k in ROW_RESULT_FIELDS})
     row["correct"] = bool(result.correct) and result.verdict == "correct"
     row["hacks"] = list(result.hacks or [])
     return json_safe(row)
 
 
+def failure_row(cfg: GenerateConfig, plan: Sequence[int], task, sample: int, iteration: int, failure: Failure,
+                policy: Policy) -> dict:
+    """The row of a turn whose request failed: no answer, no verdict of the evaluator, no reward."""
+    row = _identity(cfg, plan, task, sample, iteration, failure.turn - 1, policy)
+    row.update({"response": "", "code": None, "finished": False, "response_tokens": None, "reward": None,
+                "generation_error": failure.error})
+    row.update({k: None for k in ROW_RESULT_FIELDS})
+    row.update({"verdict": GENERATION_FAILED, "compiled": False, "correct": False, "hacks": [],
+                "error": f"generation failed: {failure.error}"})
+    return json_safe(row)
+
+
+def is_failure(row: dict) -> bool:
+    return row.get("verdict") == GENERATION_FAILED
+
+
 def _unit(row: dict) -> tuple[str, int]:
     return str(row["task_key"]), int(row["sample"])
 
 
+def row_problem(row: dict) -> str | None:
+    """Why a row read back from the output file cannot be used (None: it can)."""
+    missing = [k for k in ("task_key", *ROW_COUNTS) if row.get(k) is None]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    if not isinstance(row["task_key"], str):
+        return f"task_key is {row['task_key']!r}, not a string"
+    for k in ROW_COUNTS:
+        if isinstance(row[k], bool) or not isinstance(row[k], int) or row[k] < 0:
+            return f"{k} is {row[k]!r}, not a count"
+    if row["iteration"] >= MAX_ROUNDS:
+        return f"iteration {row['iteration']} is beyond {MAX_ROUNDS} rounds"
+    return None
+
+
+def _changed_settings(rows: list[dict], cfg: GenerateConfig) -> list[str]:
+    """`ROW_SETTINGS` the rows hold with another value than `cfg` ("key old -> new"), once per key."""
+    distinct = {json.dumps(r["settings"], sort_keys=True, default=repr): r["settings"]
+                for r in rows if isinstance(r.get("settings"), dict)}  # rows of one run share theirs
+    changes: dict[str, str] = {}
+    for settings in distinct.values():
+        for change in changed_settings(settings, cfg):
+            changes.setdefault(change.key, str(change))
+    return list(changes.values())
+
+
 def _check_rows(path: Path, rows: list[dict], cfg: GenerateConfig, plan: list[int], policy_name: str) -> None:
-    """Rows of another model, --num_turns or STTS turn budget stop the run: mixing them would
-    corrupt the metrics."""
+    """Rows of another model, --num_turns, STTS turn budget or setting stop the run: mixing them
+    would corrupt the metrics."""
     offsets = stts.round_offsets(plan)
-    needed = ("task_key", "sample", "turn", "iteration", "iter_turn", "level", "problem_id")
+    again = "pass another --output or --resume false"
     for i, r in enumerate(rows):
-        missing = [k for k in needed if r.get(k) is None]
-        if missing:
-            raise SystemExit(f"generate.py: {path} row {i + 1} lacks {', '.join(missing)}: not a generate.py "
-                             f"output; pass another --output or --resume false")
-        k, t = int(r["iteration"]), int(r["iter_turn"])
+        k, t = r["iteration"], r["iter_turn"]
         if r.get("num_turns", cfg.num_turns) != cfg.num_turns or r.get("round_turns", plan[k]) != plan[k] \
-                or t >= plan[k] or int(r["turn"]) != offsets[k] + t:
-            raise SystemExit(f"generate.py: {path} was written with --num_turns {r.get('num_turns', '?')} or "
-                             f"another STTS window, not --num_turns {cfg.num_turns} --stts_window {cfg.stts_window} "
-                             f"(row {i + 1}); pass another --output or --resume false")
+                or t >= plan[k] or r["turn"] != offsets[k] + t:
+            fail(f"{path} was written with --num_turns {r.get('num_turns', '?')} or another STTS window, not "
+                 f"--num_turns {cfg.num_turns} --stts_window {cfg.stts_window} (row {i + 1}); {again}")
         if r.get("model") not in (None, policy_name):
-            raise SystemExit(f"generate.py: {path} holds generations of {r.get('model')!r}, not {policy_name!r}; "
-                             f"pass another --output or --resume false")
+            fail(f"{path} holds generations of {r.get('model')!r}, not {policy_name!r}; {again}")
+    changed = _changed_settings(rows, cfg)
+    if changed:
+        fail(f"{path} was written with other settings ({'; '.join(changed)}: the file's value, then this "
+             f"run's); pass the same values, or {again}")
 
 
-def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str) -> tuple[list[dict], int]:
-    """The rows to keep from a previous run, and how many lines were dropped.
+@dataclasses.dataclass
+class Resumed:
+    """What `resume_rows` kept of an earlier run's file, and what it dropped."""
 
-    A (task, sample) keeps its rounds 0..k-1 where each has all of its turns (`round_turns`);
-    later rounds, partial rounds and unreadable lines are dropped, and the file is rewritten
-    (atomically) when anything was dropped."""
-    rows, bad = read_jsonl(path)
-    rounds = max([cfg.stts_iterations] + [int(r.get("iteration") or 0) + 1 for r in rows])
-    plan = stts.round_turns(cfg.num_turns, cfg.stts_window, rounds, cfg.stts_window_counts)
-    _check_rows(path, rows, cfg, plan, policy_name)
+    rows: list[dict]
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "line N: why" (not JSON, or malformed)
+    failed: int = 0  # failure rows: their rounds are generated again
+    unfinished: int = 0  # other rows of incomplete rounds, and superseded duplicates
+
+    @property
+    def dropped(self) -> int:
+        return len(self.skipped) + self.failed + self.unfinished
+
+
+def _complete_rounds(rows: list[dict], plan: list[int]) -> list[dict]:
+    """The rows of each (task, sample)'s rounds 0..k-1 where every round has all of its turns
+    and none failed; a duplicate (task, sample, turn) keeps its last row."""
     offsets = stts.round_offsets(plan)
     by_key: dict[tuple, tuple[int, dict]] = {}
     for pos, r in enumerate(rows):
-        by_key[(*_unit(r), int(r["turn"]))] = (pos, r)  # a duplicate key: the last row wins
+        by_key[(*_unit(r), r["turn"])] = (pos, r)
     turns: dict[tuple, set] = {}
-    for (key, sample, turn) in by_key:
-        turns.setdefault((key, sample), set()).add(turn)
+    for (key, sample, turn), (_, r) in by_key.items():
+        turns.setdefault((key, sample), set())
+        if not is_failure(r):
+            turns[(key, sample)].add(turn)
     keep_rounds: dict[tuple, int] = {}
     for unit, ts in turns.items():
         k = 0
         while k < len(plan) and all(offsets[k] + t in ts for t in range(plan[k])):
             k += 1
         keep_rounds[unit] = k
-    kept = [r for _, r in sorted(by_key.values(), key=lambda pr: pr[0])
-            if int(r["iteration"]) < keep_rounds[_unit(r)]]
-    dropped = len(rows) - len(kept) + bad
-    if dropped:
+    return [r for _, r in sorted(by_key.values(), key=lambda pr: pr[0]) if r["iteration"] < keep_rounds[_unit(r)]]
+
+
+def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str) -> Resumed:
+    """The rows to keep from a previous run, and what was dropped (`_complete_rounds`: later
+    rounds, partial or failed rounds; also lines that are not JSON or not a usable row). The file is
+    rewritten (atomically) when anything was dropped. A file without one usable row but with
+    several lines is not a generate.py output and is refused, not rewritten."""
+    try:
+        lines = list(iter_jsonl(path))
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc}")
+    problems = [(ln, ln.error if ln.row is None else row_problem(ln.row)) for ln in lines]
+    good = [ln.row for ln, problem in problems if not problem]
+    skipped = [f"line {ln.lineno}: {problem}" for ln, problem in problems if problem]
+    if not good and len(skipped) > 1:
+        fail(f"{path} holds no generate.py row ({skipped[0]}); pass another --output or --resume false")
+    rounds = max([cfg.stts_iterations] + [r["iteration"] + 1 for r in good])
+    plan = stts.round_turns(cfg.num_turns, cfg.stts_window, rounds, cfg.stts_window_counts)
+    _check_rows(path, good, cfg, plan, policy_name)
+    kept = _complete_rounds(good, plan)
+    failed = sum(map(is_failure, good))
+    res = Resumed(kept, skipped, failed, len(good) - len(kept) - failed)
+    if res.dropped:
         tmp = path.with_name(path.name + ".tmp")
         tmp.unlink(missing_ok=True)
         with JsonlWriter(tmp, sync_each_row=False) as fh:
             for r in kept:
                 fh.write(r)
         os.replace(tmp, path)
-    return kept, dropped
+    return res
+
+
+def report_resumed(path: Path, res: Resumed) -> None:
+    """One stderr line per kind of dropped row, and what is kept."""
+    say = f"[generate] {path}:"
+    if res.skipped:
+        more = f"; and {len(res.skipped) - 3} more" if len(res.skipped) > 3 else ""
+        print(f"{say} skipped {len(res.skipped)} unusable line(s) (a killed run leaves its last line cut): "
+              f"{'; '.join(res.skipped[:3])}{more}", file=sys.stderr)
+    if res.failed:
+        print(f"{say} {res.failed} failed generation(s): their rounds are generated again", file=sys.stderr)
+    if res.unfinished:
+        print(f"{say} dropped {res.unfinished} row(s) of unfinished rounds; they are generated again",
+              file=sys.stderr)
+    if res.rows:
+        print(f"{say} resuming: {len({(*_unit(r), r['iteration']) for r in res.rows})} (task, sample, round) "
+              f"unit(s) already done", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------
@@ -279,35 +457,47 @@ def report_dir(output: str | os.PathLike) -> Path:
 
 
 def run(cfg: GenerateConfig, tasks: Sequence, policy: Policy, evaluate_fn: Callable) -> dict:
-    """Generate (and evaluate) every missing (task, sample, round); return the summary."""
-    from tqdm import tqdm
-
+    """Generate (and evaluate) every missing (task, sample, round); return the summary. A
+    (task, sample) whose request failed skips its later rounds (their context would be broken)."""
     out = Path(cfg.output)
+    api = chat_generator(policy)
     rows = _previous_rows(out, cfg, policy)
-    done = {(*_unit(r), int(r["iteration"])) for r in rows}
+    done = {(*_unit(r), r["iteration"]) for r in rows}
     todo = [(t, s, k) for t in tasks for s in range(cfg.samples_per_task) for k in range(cfg.stts_iterations)
             if (t.key, s, k) not in done]
+    failed: set[tuple[str, int]] = set()
     # Seed once: a per-call seed (GenerationConfig.seed) would replay the same random draws
     # at every turn and make a trajectory's turns needlessly alike.
     if policy.model is not None:
         import torch
 
         torch.manual_seed(cfg.seed)
-    with JsonlWriter(out, sync_each_row=False) as writer, \
-            tqdm(total=len(todo), desc="generate", unit="traj", file=sys.stderr) as bar:
+    with JsonlWriter(out, sync_each_row=False) as writer, _progress_bar(api, cfg.round_turns(), todo) as bar:
         for start in range(0, len(tasks), cfg.tasks_per_batch):
             batch = tasks[start:start + cfg.tasks_per_batch]
             for k in range(cfg.stts_iterations):
-                pending = [(t, s) for t in batch for s in range(cfg.samples_per_task) if (t.key, s, k) not in done]
+                pending = [(t, s) for t in batch for s in range(cfg.samples_per_task)
+                           if (t.key, s, k) not in done and (t.key, s) not in failed]
                 if pending:
                     new = _run_round(cfg, policy, evaluate_fn, pending, k, rows)
                     for row in new:
                         writer.write(row)
                     writer.flush()
                     rows.extend(new)
-                    done.update((t.key, s, k) for t, s in pending)
-                    bar.update(len(pending))
+                    failed.update(_unit(r) for r in new if is_failure(r))
+                    done.update((t.key, s, k) for t, s in pending if (t.key, s) not in failed)
+                    if api is None:  # the API generator counts its requests itself
+                        bar.update(len(pending))
     return _summary(cfg, tasks, rows, len(todo))
+
+
+def _progress_bar(api: ChatGenerator | None, plan: list[int], todo: list[tuple]) -> tqdm:
+    """On stderr: over API requests (with retries and failures) for an API policy, else over trajectories."""
+    if api is None:
+        return tqdm(total=len(todo), desc="generate", unit="traj", file=sys.stderr)
+    bar = tqdm(total=sum(plan[k] for _, _, k in todo), desc="requests", unit="req", file=sys.stderr)
+    api.progress.attach(bar)
+    return bar
 
 
 def _previous_rows(out: Path, cfg: GenerateConfig, policy: Policy) -> list[dict]:
@@ -316,14 +506,11 @@ def _previous_rows(out: Path, cfg: GenerateConfig, policy: Policy) -> list[dict]
         backup = out.with_name(f"{out.stem}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
         os.replace(out, backup)  # a fresh start never destroys finished generations
         print(f"[generate] --resume false: moved the old generations to {backup}", file=sys.stderr)
-    rows, dropped = resume_rows(out, cfg, policy.name) if out.exists() else ([], 0)
-    if dropped:
-        print(f"[generate] dropped {dropped} line(s) of unfinished trajectories from {out}; they are regenerated",
-              file=sys.stderr)
-    if rows:
-        print(f"[generate] resuming: {len({(*_unit(r), r['iteration']) for r in rows})} (task, sample, round) "
-              f"unit(s) already in {out}", file=sys.stderr)
-    return rows
+    if not out.exists():
+        return []
+    res = resume_rows(out, cfg, policy.name)
+    report_resumed(out, res)
+    return res.rows
 
 
 def _run_round(cfg: GenerateConfig, policy: Policy, evaluate_fn: Callable, pending: list[tuple], k: int,
@@ -340,11 +527,27 @@ def _run_round(cfg: GenerateConfig, policy: Policy, evaluate_fn: Callable, pendi
     gen = compose(cfg, GenerationConfig, do_sample=cfg.temperature > 0, seed=None)
     rcfg = compose(cfg, RolloutConfig, num_generations=1, num_turns=plan[k],
                    max_prompt_tokens=policy.max_prompt_tokens, generation=gen)
+    api = chat_generator(policy)
+    if api is not None:
+        api.begin([f"{t.key} sample {s}" for t, s in pending], first_turn=stts.round_offsets(plan)[k])
     # one trajectory per pending (task, sample): the task repeats, num_generations = 1
     trajs = rollout(policy.model, policy.tokenizer, [t for t, _ in pending], evaluate_fn, rcfg,
                     generator=policy.generator, start_messages=starts)
-    return [make_row(task, s, k, plan, cfg.num_turns, turn_sample, policy)
-            for (task, s), traj in zip(pending, trajs) for turn_sample in traj]
+    failures = api.failures if api is not None else {}
+    return [row for i, ((task, s), traj) in enumerate(zip(pending, trajs))
+            for row in _trajectory_rows(cfg, plan, task, s, k, traj, policy, failures.get(i))]
+
+
+def _trajectory_rows(cfg: GenerateConfig, plan: list[int], task, sample: int, k: int, traj: list, policy: Policy,
+                     failure: Failure | None) -> list[dict]:
+    """A trajectory's rows; a failed request ends them with its failure row (later turns were not requested)."""
+    rows = []
+    for turn_sample in traj:
+        if failure is not None and turn_sample.turn == failure.turn:
+            rows.append(failure_row(cfg, plan, task, sample, k, failure, policy))
+            break
+        rows.append(make_row(cfg, plan, task, sample, k, turn_sample, policy))
+    return rows
 
 
 def _earlier_turns(rows: list[dict], task_key: str, sample: int) -> list[dict]:
@@ -352,11 +555,12 @@ def _earlier_turns(rows: list[dict], task_key: str, sample: int) -> list[dict]:
 
 
 def _summary(cfg: GenerateConfig, tasks: Sequence, rows: list[dict], generated: int) -> dict:
-    """`drkernel.metrics` over every turn (best of turns), and per STTS round; the report beside it."""
+    """`drkernel.metrics` over every turn (best of turns), and per STTS round; the report beside it.
+    Failure rows are no answers: their turns count as missing."""
     from drkernel import metrics, report
 
     keys = {t.key for t in tasks}
-    mine = [r for r in rows if r["task_key"] in keys]
+    mine = [r for r in rows if r["task_key"] in keys and not is_failure(r)]
     expected = [(t.level, t.problem_id) for t in tasks]
     plan = cfg.round_turns()
     summary = metrics.summarize(mine, expected, samples=cfg.samples_per_task, turns=sum(plan))
@@ -364,6 +568,7 @@ def _summary(cfg: GenerateConfig, tasks: Sequence, rows: list[dict], generated: 
         summary["stts"] = stts.iteration_metrics(mine, expected, cfg.samples_per_task, plan)
     summary["config"] = dataclasses.asdict(cfg)
     summary["generated_this_run"] = generated
+    summary["generation_failures"] = sum(1 for r in rows if r["task_key"] in keys and is_failure(r))
     summary["output"] = cfg.output
     report.write_report(summary, mine, report_dir(Path(cfg.output)), expected, cfg.samples_per_task, sum(plan))
     return summary
@@ -380,31 +585,22 @@ def print_summary(summary: dict) -> None:
         print(stts.format_iterations(summary["stts"], summary.get("p_values", metrics.DEFAULT_P_VALUES)))
 
 
-def main(argv=None) -> dict:
-    cfg = parse_config(GenerateConfig, argv)
+def main(argv: Sequence[str] | None = None) -> dict:
+    settings = parse_args(list(sys.argv[1:] if argv is None else argv))
+    cfg = settings.cfg
     check_config(cfg)
-    device = resolve_device(cfg.device)  # before anything imports triton
-
-    from drkernel.tasks import TaskError
-
-    try:
-        tasks = cfg.load_tasks()
-    except (TaskError, OSError, ConfigError) as exc:
-        raise SystemExit(f"generate.py: cannot load tasks {cfg.tasks!r}: {exc}") from None
-    if not tasks:
-        raise SystemExit(f"generate.py: no tasks for tasks={cfg.tasks!r} levels={cfg.levels} "
-                         f"problem_ids={cfg.problem_ids or 'all'}")
-    keys = [t.key for t in tasks]
-    if len(set(keys)) != len(keys):  # rows are keyed by level_problemid
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise SystemExit(f"generate.py: several tasks share level_problem_id {', '.join(dup)}; select them "
-                         f"apart with --problem_ids")
+    print(start_line(settings), file=sys.stderr)
+    # rows record the device that evaluated them, not "auto"
+    cfg = dataclasses.replace(cfg, device=_resolve_device(cfg.device))
+    tasks = _load_tasks(cfg)
     t0 = time.time()
-    policy = load_policy(cfg, device)
-    evaluator = make_evaluator(cfg, device)
+    policy = load_policy(cfg, cfg.device)
+    evaluator = make_evaluator(cfg, cfg.device)
     ref_dir = tempfile.mkdtemp(prefix="drk_gen_refs_")
     try:
         summary = run(cfg, tasks, policy, make_evaluate_fn(evaluator, ref_dir))
+    except ApiError as exc:
+        fail(f"{exc} (the rows of finished batches are in {cfg.output}; rerun to resume)", status=1)
     finally:
         close = getattr(evaluator, "close", None)
         if close:
@@ -414,9 +610,25 @@ def main(argv=None) -> dict:
     path = summary_path(cfg.output)
     write_json(path, summary)
     print_summary(summary)
+    if summary["generation_failures"]:
+        print(f"[generate] {summary['generation_failures']} generation(s) failed (verdict {GENERATION_FAILED} in "
+              f"{cfg.output}; counted as missing); run the same command again to retry them", file=sys.stderr)
     print(f"[generate] generations: {cfg.output}  summary: {path}  report: {report_dir(cfg.output) / 'report.md'}  "
           f"({summary['wall_s']:.0f} s)")
     return summary
+
+
+def _load_tasks(cfg: GenerateConfig) -> list:
+    """The selected tasks; an unreadable, empty or ambiguous selection is a clear error."""
+    try:
+        tasks = cfg.selected_tasks()
+    except ConfigError as exc:
+        fail(str(exc))
+    keys = [t.key for t in tasks]
+    if len(set(keys)) != len(keys):  # rows are keyed by level_problemid
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        fail(f"several tasks share level_problem_id {', '.join(dup)}; select them apart with --problem_ids")
+    return tasks
 
 
 if __name__ == "__main__":

@@ -1,20 +1,49 @@
-"""Training entry point: `accelerate launch train.py [--stage rl|sft] [--config cfg.yaml] [--key value ...]`.
+"""Training entry point: `accelerate launch train.py [--stage rl|sft] [--config FILE|none] [--key value ...]`.
 
-    accelerate launch train.py                       # no options: configs/cpu_quick.yaml, a short real CPU run
-    python train.py --model Qwen/Qwen2.5-1.5B-Instruct --tasks ../shared/kernelbench --levels 1 \\
-        --max_steps 100 --output_dir runs/rl_qwen
-    python train.py --stage sft ...                  # supervised warm-up (drkernel.sft)
-    python train.py --help                           # every RL option with its default
+    accelerate launch train.py                       # the RL stage's preset, configs/cpu_quick.yaml
+    accelerate launch train.py --max_steps 1         # the same run with one step
+    accelerate launch train.py --config none --model Qwen/Qwen2.5-1.5B-Instruct \\
+        --tasks ../shared/kernelbench --levels 1 --output_dir runs/rl_qwen   # the library defaults
+    accelerate launch train.py --stage sft           # supervised warm-up, configs/sft_quick.yaml
+    python train.py --help                           # the rule below and every option
 
-Stage "rl" (the default) is `drkernel.trainer.main`; stage "sft" is `drkernel.sft.main`.
+Settings, in order: the library defaults (the config dataclass), a base file, then each
+--key value. The base file is `--config FILE`, else the stage's preset (the run a bare command
+starts); `--config none` means no file. Stage "rl" (the default) is `drkernel.trainer.main`;
+stage "sft" is `drkernel.sft.main`.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
-STAGES = ("rl", "sft")
+from drkernel.config import HELP_FLAGS, NO_CONFIG, ConfigError, describe, load_yaml, shown_path
+
+PROG = "train.py"
+CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+class Stage(NamedTuple):
+    """One training stage: where it runs and the preset a bare run of it starts from."""
+
+    module: str  # runs it: `module.main(argv, preset=, prog=)`
+    config: str  # its config class in `module` (for --help)
+    preset: Path
+    what: str
+    preset_what: str
+
+
+STAGES = {
+    "rl": Stage("drkernel.trainer", "TrainConfig", CONFIGS / "cpu_quick.yaml", "the RL loop (drkernel/trainer.py)",
+                "a short real run on a CPU"),
+    "sft": Stage("drkernel.sft", "SFTConfig", CONFIGS / "sft_quick.yaml", "supervised warm-up (drkernel/sft.py)",
+                 "a short LoRA run on the bundled conversations"),
+}
+
+USAGE = f"usage: accelerate launch {PROG} [--stage rl|sft] [--config FILE|{NO_CONFIG}] [--key value ...]"
 
 
 def split_stage(argv: list[str]) -> tuple[str, list[str]]:
@@ -24,7 +53,7 @@ def split_stage(argv: list[str]) -> tuple[str, list[str]]:
         arg = argv[i]
         if arg == "--stage":
             if i + 1 >= len(argv):
-                raise SystemExit("train.py: error: --stage needs a value (rl or sft)")
+                raise ConfigError("--stage needs a value (rl or sft)")
             stage, i = argv[i + 1], i + 2
             continue
         if arg.startswith("--stage="):
@@ -32,29 +61,44 @@ def split_stage(argv: list[str]) -> tuple[str, list[str]]:
         else:
             rest.append(arg)
         i += 1
+    if stage not in STAGES:
+        raise ConfigError(f"--stage must be one of {', '.join(STAGES)}, not {stage!r}")
     return stage, rest
 
 
-# With no arguments at all, the RL stage runs this preset: the library defaults are the paper's
-# settings (3 turns, 1024 new tokens, 5 trials), far too long for the offline default on a CPU.
-QUICK = Path(__file__).resolve().parent / "configs" / "cpu_quick.yaml"
+def help_text(name: str) -> str:
+    """--help: the usage, the stages, how settings are chosen, this stage's preset and its options."""
+    stage = STAGES[name]
+    config_class = getattr(importlib.import_module(stage.module), stage.config)
+    preset = ", ".join(f"{k}={v}" for k, v in load_yaml(str(stage.preset)).items())
+    stages = [f"  --stage {k:<4} {s.what}\n               preset: {shown_path(s.preset)} ({s.preset_what})"
+              for k, s in STAGES.items()]
+    return "\n".join([
+        USAGE, "",
+        "Stages (default rl), each with the preset a bare run uses:", *stages, "",
+        "Settings, in order: the library defaults, then a base file, then each --key value.",
+        "Without --config the base is the stage's preset, so an option changes one setting of the",
+        "bare run (--max_steps 1: the preset with one step). --config FILE replaces the preset;",
+        f"--config {NO_CONFIG} starts from the library defaults alone (the paper's settings).",
+        "--resume_from auto|DIR continues a checkpoint and refuses settings that differ from the ones",
+        "it was made with (max_steps, checkpoint and logging intervals and the like may change).",
+        "The first line on stderr says which base a run uses.", "",
+        f"This stage ({name}) without --config: {shown_path(stage.preset)} sets {preset}.", "",
+        describe(config_class),
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:
-    stage, rest = split_stage(list(sys.argv[1:] if argv is None else argv))
-    if stage == "rl" and not rest:
-        print(f"train.py: no options given: the offline quick run, --config {QUICK}", file=sys.stderr)
-        rest = ["--config", str(QUICK)]
-    if stage == "rl":
-        from drkernel import trainer
-
-        return trainer.main(rest)
-    if stage == "sft":
-        from drkernel import sft  # imported only for this stage
-
-        return sft.main(rest)
-    print(f"train.py: error: --stage must be one of {', '.join(STAGES)}, not {stage!r}", file=sys.stderr)
-    return 2
+    try:
+        name, rest = split_stage(list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    if any(a in HELP_FLAGS for a in rest):
+        print(help_text(name))
+        return 0
+    stage = STAGES[name]
+    return importlib.import_module(stage.module).main(rest, preset=stage.preset, prog=PROG)
 
 
 if __name__ == "__main__":

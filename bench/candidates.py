@@ -340,6 +340,32 @@ def mixed_set(candidates: Iterable[Candidate], size: int, seed: int = 0, device:
     return ordered[:size] if size > 0 else ordered
 
 
+def full_size_set(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """Only the candidates judged against KernelBench problems at their real sizes: our solutions
+    and their corruptions (no bundled tiny task, whose figures flatter every measurement)."""
+    return [c for c in candidates if c.task.level > 0 and c.kind in ("solution", *CORRUPTIONS)]
+
+
+def rl_batch(candidates: Iterable[Candidate], problems: int = 8, per_problem: int = 16,
+             seed: int = 0) -> list[Candidate]:
+    """An RL step's evaluation batch: `per_problem` candidates for each of `problems` KernelBench
+    problems, drawn in turn from the problem's solution and its corruptions (correct, slower,
+    wrong, crashing, torch fallbacks), each copy made distinct by a trailing comment so that no
+    cache or de-duplication shares their work."""
+    pool = collections.defaultdict(list)
+    for c in full_size_set(candidates):
+        pool[c.task.key].append(c)
+    keys = sorted(pool, key=lambda k: (-len(pool[k]), k))[:problems]
+    out = []
+    for key in keys:
+        kinds = sorted(pool[key], key=lambda c: c.kind)
+        random.Random(f"{seed}:{key}").shuffle(kinds)
+        for i in range(per_problem):
+            c = kinds[i % len(kinds)]
+            out.append(dataclasses.replace(c, name=f"{c.name}#{i}", code=f"{c.code.rstrip()}\n# rl batch copy {i}\n"))
+    return out
+
+
 def composition(candidates: Iterable[Candidate]) -> dict[str, int]:
     """Candidates per kind, in KINDS order."""
     counts = collections.Counter(c.kind for c in candidates)

@@ -1,8 +1,10 @@
-"""Evaluation throughput (issue 15): a mixed candidate set through `Evaluator.evaluate_many` for
-each worker count, every difference from 1 worker, then the same set again through the cache.
+"""Evaluation throughput: a candidate set through `Evaluator.evaluate_many` for each worker count,
+every difference from 1 worker, then the same set again through the cache.
 
-The set (`bench/candidates.py`): our solutions, their corrupted variants and the hack, legit and
-fault fixtures, `--size` of them. Each worker count gets a fresh Evaluator and a fresh, empty
+The sets (`bench/candidates.py`, `--set`): `full` (the default) is our solutions and their
+corrupted variants (wrong, crashing, slower, torch fallbacks) at real KernelBench sizes, `--size`
+of them; `rl` is an RL step's batch, 16 candidates for each of 8 problems (one reference per
+group of candidates); `mixed` adds the hack, legit and fault fixtures on the bundled tiny tasks. Each worker count gets a fresh Evaluator and a fresh, empty
 cache directory (so every pass pays for every evaluation, whatever the cache's default); the
 1-worker pass is the reference (`--baseline`: an earlier run's, not run again). Then a warm pass
 with the fastest worker count reads the cache the first pass run here filled: its speed-up factor
@@ -38,7 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.candidates import Candidate, all_candidates, bundled_task, composition, mixed_set  # noqa: E402
+from bench.candidates import (Candidate, all_candidates, bundled_task, composition, full_size_set,  # noqa: E402
+                              mixed_set, rl_batch)
 from bench.evaluator import reference_as_candidate  # noqa: E402
 from drkernel.evalcache import fingerprint  # noqa: E402
 from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device  # noqa: E402
@@ -266,7 +269,8 @@ def parse_args(argv: list[str] | None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--shrink", action="store_true", help="tiny KernelBench sizes (CPU smoke runs)")
     ap.add_argument("--workers", default="1,2,4", help="comma list; 1 is always run first (the reference)")
-    ap.add_argument("--size", type=int, default=48, help="candidates in the mixed set (0: all)")
+    ap.add_argument("--set", default="full", choices=("full", "rl", "mixed"), help="which candidates (see above)")
+    ap.add_argument("--size", type=int, default=42, help="candidates in the full or mixed set (0: all)")
     ap.add_argument("--seed", type=int, default=0)
     for name, kind in (("trials", int), ("perf-trials", int), ("cpu-perf-trials", int), ("warmup", int),
                        ("timeout", float)):
@@ -280,6 +284,14 @@ def parse_args(argv: list[str] | None):
     return ap.parse_args(argv)
 
 
+def candidate_set(args) -> list[Candidate]:
+    everything = all_candidates(args.kernelbench, args.shrink)
+    if args.set == "rl":
+        return rl_batch(everything, seed=args.seed)
+    pool = full_size_set(everything) if args.set == "full" else everything
+    return mixed_set(pool, args.size, args.seed, args.device)
+
+
 def eval_config(args) -> EvalConfig:
     fields = {k: getattr(args, k) for k in ("trials", "perf_trials", "cpu_perf_trials", "warmup", "timeout")
               if getattr(args, k) is not None}
@@ -290,7 +302,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     args.device = resolve_device(args.device)  # before anything applies @triton.jit
     workers = [1] + [w for w in dict.fromkeys(int(x) for x in args.workers.split(",") if x) if w != 1]
-    candidates = mixed_set(all_candidates(args.kernelbench, args.shrink), args.size, args.seed, args.device)
+    candidates = candidate_set(args)
     pairs = [(c.task.code, c.code) for c in candidates]
     print(f"{len(candidates)} candidates {composition(candidates)}; workers {workers}", flush=True)
     cfg = eval_config(args)

@@ -85,6 +85,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--perf-trials", type=int, default=100)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--baseline", default="eager", help="eager | compile: what the speedups are measured against")
     ap.add_argument("--workers", type=int, default=1, help="runners per GPU (>1: each repeat's cases together)")
     ap.add_argument("--only", default="", help="comma-separated substrings: run only matching cases")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "evaluator.json"))
@@ -103,7 +104,7 @@ def main() -> None:
     if args.only:
         keys = [k for k in args.only.split(",") if k]
         cases = [c for c in cases if any(k in c[0] for k in keys)]
-    base = dict(device=args.device, trials=args.trials, perf_trials=args.perf_trials)
+    base = dict(device=args.device, trials=args.trials, perf_trials=args.perf_trials, baseline=args.baseline)
     if args.workers > 1:
         rows = side_by_side(cases, EvalConfig(**base, require_triton=False), args.workers, args.repeats)
     else:

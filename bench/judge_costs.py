@@ -15,7 +15,7 @@ comparison kernel in a fresh process (what each judge, one process per job, pays
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import copy
 import json
 import os
 import statistics
@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from drkernel import compare, judge  # noqa: E402
+from drkernel.channel import Channel  # noqa: E402
 from drkernel.evaluator import EvalConfig  # noqa: E402
 from drkernel.runner import import_file  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
@@ -45,21 +46,20 @@ def _timed(fn, device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _judge_for(code: str, device, workdir: str) -> judge.Judge:
+def _reference_for(code: str, device, workdir: str) -> judge.Reference:
     path = os.path.join(workdir, "reference.py")
     Path(path).write_text(code)
-    cfg = dataclasses.asdict(EvalConfig())
-    j = judge.Judge(cfg=cfg, sock=-1, runner_pid=-1, runner_dir=workdir, reference_path=path, candidate_path=path)
-    j.device, j.seed = device, int(cfg["seed"])
-    j.ref_mod = import_file(path, "_drk_costs_reference")
-    j.template = judge._build_reference(j)
-    return j
+    r = judge.Reference(cfg=EvalConfig(), reference_path=path, twin=Channel(sock=-1, pid=0, dir=workdir))
+    r.device, r.seed = device, r.cfg.seed
+    r.ref_mod = import_file(path, "_drk_costs_reference")
+    r.template = judge._build_reference(r)
+    return r
 
 
 def costs(code: str, device, repeats: int) -> dict[str, float]:
     """Milliseconds per step for one problem."""
     with tempfile.TemporaryDirectory() as workdir:
-        j = _judge_for(code, device, workdir)
+        j = _reference_for(code, device, workdir)
         cfg = j.cfg
         inputs = judge.gen_inputs(j, j.seed)
         out = judge.run_reference(j, judge._clone(inputs))
@@ -69,7 +69,7 @@ def costs(code: str, device, repeats: int) -> dict[str, float]:
             "gen_inputs": _timed(lambda: judge.gen_inputs(j, j.seed + 1), device, repeats),
             "gen_signed": _timed(lambda: judge.gen_inputs(j, j.seed + 2, signed=True), device, repeats),
             "clone_inputs": _timed(lambda: judge._clone(inputs), device, repeats),
-            "new_reference": _timed(lambda: judge.new_reference(j), device, repeats),
+            "new_reference": _timed(lambda: copy.deepcopy(j.template), device, repeats),
             "reference_forward": _timed(lambda: judge.run_reference(j, judge._clone(inputs)), device, repeats),
             "compare": _timed(lambda: compare.compare(out, ref, cfg), device, repeats),
             "degenerate": _timed(lambda: compare.degenerate(out, ref, inputs, cfg), device, repeats),

@@ -9,7 +9,11 @@ is chunked, so that multi-GB KernelBench outputs never need several copies of th
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
+from drkernel.evaltypes import EvalConfig
+
 
 def map_tensors(obj, fn):
     import torch
@@ -129,11 +133,22 @@ def all_finite(t) -> bool:
     return t.numel() == 0 or compare_kernels.stats(t, t, 0.0, 0.0).n_nonfinite == 0
 
 
-def tolerances(dtype, cfg: dict) -> tuple[float, float, float]:
+@dataclasses.dataclass
+class Match:
+    """How an output compares with the reference's: `ok`, and why not."""
+    ok: bool = True
+    why: str = ""
+    max_abs: float | None = 0.0
+    max_rel: float | None = 0.0
+    rel_l2: float | None = 0.0
+    structure: bool = False  # the structure (tuple/list/dict nesting) differs
+
+
+def tolerances(dtype, cfg: EvalConfig) -> tuple[float, float, float]:
     import torch
     if dtype in (torch.float16, torch.bfloat16):
-        return cfg["atol_half"], cfg["rtol_half"], cfg["rel_l2_half"]
-    return cfg["atol_fp32"], cfg["rtol_fp32"], cfg["rel_l2_fp32"]
+        return cfg.atol_half, cfg.rtol_half, cfg.rel_l2_half
+    return cfg.atol_fp32, cfg.rtol_fp32, cfg.rel_l2_fp32
 
 
 _CHUNK = 1 << 26  # elements per comparison chunk: temporaries stay a few hundred MB at any size
@@ -148,62 +163,59 @@ def _chunks(*ts):
         yield [f[start:start + _CHUNK].to(torch.float64) for f in flats]
 
 
-def _compare_tensor(c, r, atol, rtol, rel_l2) -> dict:
+def _compare_tensor(c, r, atol, rtol, rel_l2) -> Match:
     """Elementwise atol + rtol*|ref|, relative L2, and matching NaN/inf positions.
 
     One pass over both tensors (`compare_kernels.stats`); the detailed float64 pass below runs
     only for outputs that fail or hold non-finite values."""
     import torch
-    res = {"ok": True, "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "why": ""}
     if c.shape != r.shape:
-        return {**res, "ok": False, "why": f"shape {tuple(c.shape)} vs reference {tuple(r.shape)}"}
+        return Match(False, f"shape {tuple(c.shape)} vs reference {tuple(r.shape)}")
     if c.dtype != r.dtype:
-        return {**res, "ok": False, "why": f"dtype {c.dtype} vs reference {r.dtype}"}
+        return Match(False, f"dtype {c.dtype} vs reference {r.dtype}")
     if c.device != r.device:
-        return {**res, "ok": False, "why": f"device {c.device} vs reference {r.device}"}
+        return Match(False, f"device {c.device} vs reference {r.device}")
     if r.is_complex():
         return _compare_tensor(torch.view_as_real(c), torch.view_as_real(r), atol, rtol, rel_l2)
     if not r.is_floating_point():
-        ok = bool(torch.equal(c, r))
-        if not ok:
-            diff = (c.long() - r.long()).abs().max().item() if c.numel() else 0
-            res["max_abs"] = float(diff)
-        return {**res, "ok": ok, "why": "" if ok else "integer/bool values differ"}
+        if torch.equal(c, r):
+            return Match()
+        diff = (c.long() - r.long()).abs().max().item() if c.numel() else 0
+        return Match(False, "integer/bool values differ", max_abs=float(diff))
     if r.numel() == 0:
-        return res
+        return Match()
     from drkernel import compare_kernels
     st = compare_kernels.stats(c, r, atol, rtol)
     # the sums of squares overflow to inf for huge values: the float64 pass then decides
     if st.n_out or st.n_nonfinite or not all(map(math.isfinite, (st.sq_err, st.sq_ref))):
         return _compare_tensor_slow(c, r, atol, rtol, rel_l2)
-    res["max_abs"], res["max_rel"] = st.max_abs, st.max_rel
     nref, nerr = math.sqrt(st.sq_ref), math.sqrt(st.sq_err)
-    res["rel_l2"] = nerr / nref if nref > 0 else (0.0 if nerr == 0 else float("inf"))
-    if nref > 0 and res["rel_l2"] > rel_l2:
-        res["ok"] = False
-        res["why"] = f"relative L2 error {res['rel_l2']:.3g} > {rel_l2:g}"
+    res = Match(max_abs=st.max_abs, max_rel=st.max_rel,
+                rel_l2=nerr / nref if nref > 0 else (0.0 if nerr == 0 else float("inf")))
+    if nref > 0 and res.rel_l2 > rel_l2:
+        res.ok, res.why = False, f"relative L2 error {res.rel_l2:.3g} > {rel_l2:g}"
     return res
 
 
-def _compare_tensor_slow(c, r, atol, rtol, rel_l2) -> dict:
+def _compare_tensor_slow(c, r, atol, rtol, rel_l2) -> Match:
     """The detailed float64 comparison: NaN/inf positions, then tolerances over finite values."""
     import torch
-    res = {"ok": True, "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0, "why": ""}
+    res = Match()
     n_fin = n_bad = 0
     sq_err = sq_ref = 0.0
     for c64, r64 in _chunks(c, r):
         if not torch.equal(torch.isnan(c64), torch.isnan(r64)):
-            return {**res, "ok": False, "why": "NaN positions differ from the reference"}
+            return Match(False, "NaN positions differ from the reference")
         ri = torch.isinf(r64)
         if not torch.equal(torch.isinf(c64), ri) or not torch.equal(c64[ri], r64[ri]):
-            return {**res, "ok": False, "why": "inf positions differ from the reference"}
+            return Match(False, "inf positions differ from the reference")
         fin = torch.isfinite(r64)
         cf, rf = c64[fin], r64[fin]
         if cf.numel() == 0:
             continue
         err = (cf - rf).abs()
-        res["max_abs"] = max(res["max_abs"], float(err.max().item()))
-        res["max_rel"] = max(res["max_rel"], float((err / rf.abs().clamp_min(1e-12)).max().item()))
+        res.max_abs = max(res.max_abs, float(err.max().item()))
+        res.max_rel = max(res.max_rel, float((err / rf.abs().clamp_min(1e-12)).max().item()))
         n_bad += int((err > (atol + rtol * rf.abs())).sum().item())
         n_fin += cf.numel()
         sq_err += float((err * err).sum().item())
@@ -211,39 +223,34 @@ def _compare_tensor_slow(c, r, atol, rtol, rel_l2) -> dict:
     if n_fin == 0:
         return res
     nref, nerr = math.sqrt(sq_ref), math.sqrt(sq_err)
-    res["rel_l2"] = nerr / nref if nref > 0 else (0.0 if nerr == 0 else float("inf"))
+    res.rel_l2 = nerr / nref if nref > 0 else (0.0 if nerr == 0 else float("inf"))
     if n_bad:
-        res["ok"] = False
-        res["why"] = f"{n_bad}/{n_fin} elements outside atol={atol:g} rtol={rtol:g}"
-    elif nref > 0 and res["rel_l2"] > rel_l2:
-        res["ok"] = False
-        res["why"] = f"relative L2 error {res['rel_l2']:.3g} > {rel_l2:g}"
+        res.ok, res.why = False, f"{n_bad}/{n_fin} elements outside atol={atol:g} rtol={rtol:g}"
+    elif nref > 0 and res.rel_l2 > rel_l2:
+        res.ok, res.why = False, f"relative L2 error {res.rel_l2:.3g} > {rel_l2:g}"
     return res
 
 
-def compare(out, ref, cfg: dict, loose: bool = False) -> dict:
+def compare(out, ref, cfg: EvalConfig, loose: bool = False) -> Match:
+    """The candidate's output against the reference's (tolerances by dtype, or `loose_tol`)."""
     if structure(out) != structure(ref):
-        return {"ok": False, "structure": True, "why": f"output structure {structure(out)} vs reference {structure(ref)}",
-                "max_abs": None, "max_rel": None, "rel_l2": None}
-    agg = {"ok": True, "structure": False, "why": "", "max_abs": 0.0, "max_rel": 0.0, "rel_l2": 0.0}
+        return Match(False, f"output structure {structure(out)} vs reference {structure(ref)}",
+                     max_abs=None, max_rel=None, rel_l2=None, structure=True)
+    agg = Match()
     cts, rts = tensors(out), tensors(ref)
     if not rts and out != ref:
-        return {**agg, "ok": False, "why": f"value {out!r} vs reference {ref!r}"}
+        return Match(False, f"value {out!r} vs reference {ref!r}")
     for i, (c, r) in enumerate(zip(cts, rts)):
-        if loose:
-            atol = rtol = rl2 = cfg["loose_tol"]
-        else:
-            atol, rtol, rl2 = tolerances(r.dtype, cfg)
+        atol, rtol, rl2 = (cfg.loose_tol,) * 3 if loose else tolerances(r.dtype, cfg)
         res = _compare_tensor(c, r, atol, rtol, rl2)
-        for k in ("max_abs", "max_rel", "rel_l2"):
-            agg[k] = max(agg[k], res[k])
-        if not res["ok"] and agg["ok"]:
-            agg["ok"] = False
-            agg["why"] = (f"output {i}: " if len(rts) > 1 else "") + res["why"]
+        agg.max_abs, agg.max_rel = max(agg.max_abs, res.max_abs), max(agg.max_rel, res.max_rel)
+        agg.rel_l2 = max(agg.rel_l2, res.rel_l2)
+        if not res.ok and agg.ok:
+            agg.ok, agg.why = False, (f"output {i}: " if len(rts) > 1 else "") + res.why
     return agg
 
 
-def degenerate(out, ref, inputs, cfg: dict) -> str | None:
+def degenerate(out, ref, inputs, cfg: EvalConfig) -> str | None:
     """The candidate ≈ a trivial answer (zeros, a constant, an input) that would pass here.
 
     A pass for the reference's mean, then one per trivial answer (`compare_kernels`)."""

@@ -1,9 +1,11 @@
 """One place for configuration: dataclasses, overridable from a YAML file and the command line.
 
-Every script defines (or reuses) a dataclass whose field defaults are *the* defaults.
-`parse_config(Cls, argv)` then applies, in order: the defaults, `--config file.yaml`,
-and `--key value` / `--key=value` flags. Unknown keys are an error, so typos never pass
-silently.
+Every script defines (or reuses) a dataclass whose field defaults are *the* defaults (the
+library defaults). `load_config(Cls, argv, preset)` then applies, in order: those defaults, a
+base file, and `--key value` / `--key=value` flags. The base file is `--config FILE` when given,
+else the script's `preset` (train.py passes the preset a bare run uses); `--config none` means no
+file: the library defaults alone. Unknown keys are an error, so typos never pass silently, and
+every error is a one-line `ConfigError`.
 
 A script's flat config mirrors settings of the library configs it wires together (the
 evaluator's `EvalConfig`, `RewardConfig`, `LossConfig`, ...). Each such field takes its
@@ -11,26 +13,46 @@ default from the library class, and the class declares the mirror in `SHARED`, a
 (library class, {field here: field there}). `compose(cfg, Target)` builds the library config
 through that map, and `disagreements(Cls)` lists mirrored defaults that differ (a test keeps
 it empty), so a default is written once.
+
+The values a numeric setting accepts are declared the same way: a class's `LIMITS`
+({field: Limit}), and a mirrored field obeys the library class's limit, so a rule such as
+"temperature >= 0" is written once and every script that mirrors the setting checks it
+(`limit_problems`).
+
+A checkpoint records the settings it was made with (`SETTINGS_KEY` in its trainer_state.json);
+`start_run` refuses to resume it under other settings, except those in the class's
+`RESUME_SAFE`, which only warn.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
+import os
 import sys
 import types
 import typing
-from typing import Any, Sequence, TypeVar
+from pathlib import Path
+from typing import Any, Generic, Sequence, TypeVar
 
 T = TypeVar("T")
-Shared = tuple[tuple[type, dict[str, str]], ...]  # (library config class, {field here: field there})
+Shared = tuple[tuple[type, dict[str, str]], ...]  # (library class, {field here: field there})
 
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f"}
+HELP_FLAGS = ("-h", "--help")
+NO_CONFIG = "none"  # `--config none`: no base file, the library defaults alone
+SETTINGS_KEY = "config"  # where a checkpoint's trainer_state.json records the run's settings
 
 
 class ConfigError(ValueError):
     """A bad key or value in a config file or on the command line."""
 
+
+# --------------------------------------------------------------------------------------
+# values: YAML or command-line text to the field's type
+# --------------------------------------------------------------------------------------
 
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     origin = typing.get_origin(tp)
@@ -41,6 +63,27 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+def _scalar(value: Any, tp: Any) -> Any:
+    """`value` as a bool, int, float or str (ValueError / TypeError otherwise)."""
+    if isinstance(value, (dict, list, tuple)):
+        raise ValueError("expected a single value, not a list or mapping")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        s = str(value).strip().lower()
+        if s in _TRUE or s in _FALSE:
+            return s in _TRUE
+        raise ValueError(f"not a boolean: {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError("not a whole number")
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError("not a whole number") from None
+    return float(value) if tp is float else str(value)
+
+
 def coerce(value: Any, tp: Any, key: str = "?") -> Any:
     """Convert a YAML or command-line value to the field's declared type."""
     tp, optional = _unwrap_optional(tp)
@@ -49,23 +92,8 @@ def coerce(value: Any, tp: Any, key: str = "?") -> Any:
             return None
     origin = typing.get_origin(tp)
     try:
-        if tp is bool:
-            if isinstance(value, bool):
-                return value
-            s = str(value).strip().lower()
-            if s in _TRUE:
-                return True
-            if s in _FALSE:
-                return False
-            raise ValueError(f"not a boolean: {value!r}")
-        if tp is int:
-            if isinstance(value, bool):
-                raise ValueError("boolean given for an integer")
-            return int(value)
-        if tp is float:
-            return float(value)
-        if tp is str:
-            return str(value)
+        if tp in (bool, int, float, str):
+            return _scalar(value, tp)
         if origin in (list, tuple, Sequence) or tp in (list, tuple):
             (inner,) = typing.get_args(tp)[:1] or (str,)
             items = value if isinstance(value, (list, tuple)) else [v for v in str(value).split(",") if v.strip()]
@@ -85,34 +113,88 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
-def from_dict(cls: type[T], data: dict[str, Any], base: T | None = None) -> T:
-    """Build `cls` from a mapping, starting from `base` (or the defaults)."""
-    types_ = _field_types(cls)
-    unknown = sorted(set(data) - set(types_))
+def check_keys(cls: type, keys: Any, source: str = "") -> None:
+    """A ConfigError naming the keys that are not fields of `cls`; `source` is the file they came
+    from (empty: the command line)."""
+    unknown = sorted(str(k) for k in set(keys) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
-        raise ConfigError(f"unknown config key(s) for {cls.__name__}: {', '.join(unknown)}")
-    values = {k: coerce(v, types_[k], k) for k, v in data.items()}
-    return dataclasses.replace(base, **values) if base is not None else cls(**values)
+        where = f"{source}: unknown key(s) {', '.join(unknown)}" if source else \
+            f"unknown option(s) {' '.join('--' + k for k in unknown)}"
+        raise ConfigError(f"{where} (not {cls.__name__} settings; --help lists them)")
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """`cls` from a mapping of (YAML or command-line) values over its defaults."""
+    check_keys(cls, data)
+    types_ = _field_types(cls)
+    return cls(**{k: coerce(v, types_[k], k) for k, v in data.items()})
 
 
 def load_yaml(path: str) -> dict[str, Any]:
+    """The mapping a YAML config file holds; a missing, unreadable, non-YAML or non-mapping file
+    is a one-line ConfigError."""
     import yaml
 
-    with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config {path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"--config {path}: not valid YAML ({getattr(exc, 'problem', None) or 'parse error'}"
+                          f"{where})") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of key: value")
+        raise ConfigError(f"--config {path}: the top level must be a mapping of key: value lines, "
+                          f"not a {type(data).__name__}")
     return data
 
 
-def parse_config(cls: type[T], argv: Sequence[str] | None = None) -> T:
-    """Defaults <- `--config file.yaml` <- `--key value` flags. `--help` lists the keys."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(describe(cls))
-        raise SystemExit(0)
-    flags: dict[str, Any] = {}
-    config_path = None
+# --------------------------------------------------------------------------------------
+# the command line: defaults <- base file <- flags
+# --------------------------------------------------------------------------------------
+
+def shown_path(path: str | os.PathLike) -> str:
+    """`path` relative to the working directory when it lies below it (what a user would type)."""
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """What a run's settings start from before its command-line options."""
+
+    path: str | None = None  # a YAML file applied over the library defaults; None: the defaults alone
+    why: str = "no --config given"
+
+    def describe(self) -> str:
+        what = f"{self.path} over the library defaults" if self.path else "the library defaults"
+        return f"{what} ({self.why})"
+
+
+def choose_base(config: str | None, preset: str | os.PathLike | None) -> Base:
+    """`--config FILE` replaces the preset, `--config none` drops it; without --config, the preset."""
+    if config is not None and config.strip().lower() == NO_CONFIG:
+        return Base(None, f"--config {NO_CONFIG}")
+    if config is not None:
+        return Base(config, "--config")
+    if preset is not None:
+        return Base(shown_path(preset), f"the preset of a bare run, as no --config was given; --config FILE "
+                                        f"replaces it, --config {NO_CONFIG} drops it")
+    return Base()
+
+
+def split_argv(argv: Sequence[str]) -> tuple[str | None, dict[str, str]]:
+    """(`--config` value or None, {key: value} of the other `--key value` / `--key=value` flags)."""
+    flags: dict[str, str] = {}
+    config = None
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -120,37 +202,73 @@ def parse_config(cls: type[T], argv: Sequence[str] | None = None) -> T:
             raise ConfigError(f"unexpected argument {arg!r}; use --key value")
         key, eq, val = arg[2:].partition("=")
         key = key.replace("-", "_")
-        if not eq:
-            nxt = argv[i + 1] if i + 1 < len(argv) else None
-            if nxt is None or nxt.startswith("--"):
-                val = "true"  # a bare flag is a boolean switch
-            else:
-                val = nxt
-                i += 1
-        if key == "config":
-            config_path = val
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        bare = not eq and (nxt is None or nxt.startswith("--"))
+        if not eq and not bare:
+            val, i = nxt, i + 1
+        if key != "config":
+            flags[key] = "true" if bare else val  # a bare flag is a boolean switch
+        elif bare or not val:
+            raise ConfigError(f"--config needs a YAML file (or {NO_CONFIG})")
         else:
-            flags[key] = val
+            config = val
         i += 1
-    cfg = cls()
-    if config_path:
-        cfg = from_dict(cls, load_yaml(config_path), cfg)
-    return from_dict(cls, flags, cfg)
+    return config, flags
+
+
+@dataclasses.dataclass
+class Resolved(Generic[T]):
+    """A parsed command line: the config, its base and the options given on the command line."""
+
+    cfg: T
+    base: Base
+    options: dict[str, str]
+
+    def start_line(self, prog: str) -> str:
+        """One line saying where the settings come from."""
+        given = ", ".join(f"{k}={v}" for k, v in self.options.items()) or "none"
+        return f"{prog}: settings: {self.base.describe()}; command-line options: {given}"
+
+
+def load_config(cls: type[T], argv: Sequence[str] | None = None,
+                preset: str | os.PathLike | None = None, help_text: str = "") -> Resolved[T]:
+    """Library defaults <- the base file (`choose_base`) <- `--key value` flags, validated once.
+    `--help` prints `help_text` and the keys, and exits."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in HELP_FLAGS for a in argv):
+        print(help_text + describe(cls))
+        raise SystemExit(0)
+    config, flags = split_argv(argv)
+    base = choose_base(config, preset)
+    data = load_yaml(base.path) if base.path else {}
+    check_keys(cls, data, f"--config {base.path}")
+    check_keys(cls, flags)
+    return Resolved(from_dict(cls, {**data, **flags}), base, flags)
+
+
+def script_config(cls: type[T], argv: Sequence[str], prog: str, help_text: str) -> Resolved[T]:
+    """A script's settings (`load_config`); a bad one ends it with `prog: error: ...`, status 2."""
+    try:
+        return load_config(cls, argv, help_text=help_text)
+    except ConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def parse_config(cls: type[T], argv: Sequence[str] | None = None) -> T:
+    """Defaults <- `--config file.yaml` <- `--key value` flags. `--help` lists the keys."""
+    return load_config(cls, argv).cfg
 
 
 def describe(cls: type) -> str:
     """A help text listing every key with its type and default."""
-    lines = [f"{cls.__name__} options (--key value, or --config file.yaml):"]
+    lines = [f"{cls.__name__} options (--key value; the defaults shown are the library defaults):"]
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         doc = f.metadata.get("help", "")
         lines.append(f"  --{f.name} (default: {default!r}) {doc}".rstrip())
     return "\n".join(lines)
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)
 
 
 # --------------------------------------------------------------------------------------
@@ -198,6 +316,90 @@ def disagreements(cls: type) -> list[str]:
     return out
 
 
+# --------------------------------------------------------------------------------------
+# numeric limits
+# --------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """The values a numeric setting accepts: finite numbers from `low` to `high`, each end
+    included unless open; `why` ends the error message."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = False
+    why: str = ""
+
+    def text(self) -> str:
+        if self.low == -math.inf:
+            return "a finite number"
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+    def problem(self, name: str, value: float | None) -> str | None:
+        """None when `value` is allowed (or unset), else the sentence that says what is."""
+        if value is None:
+            return None
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        if math.isfinite(value) and above and below:
+            return None
+        need = self.text() if math.isfinite(value) or self.low == -math.inf else f"a finite number {self.text()}"
+        return f"{name} must be {need}, got {value!r}" + (f" ({self.why})" if self.why else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class OneOf:
+    """The values a text setting accepts: one of `values`, or a full match of `pattern`."""
+
+    values: tuple[str, ...] = ()
+    pattern: str = ""
+    text: str = ""  # how the accepted values read in the error message
+
+    def problem(self, name: str, value: Any) -> str | None:
+        import re
+        ok = value in self.values or bool(self.pattern and isinstance(value, str) and re.fullmatch(self.pattern, value))
+        return None if ok else f"{name} must be {self.text or ' or '.join(self.values)}, got {value!r}"
+
+
+COUNT = Limit(1)
+NON_NEGATIVE = Limit(0)
+POSITIVE = Limit(0, low_open=True)
+FINITE = Limit()
+FRACTION = Limit(0, 1)  # [0, 1]
+UP_TO_1 = Limit(0, 1, low_open=True)  # (0, 1]
+BELOW_1 = Limit(0, 1, high_open=True)  # [0, 1)
+
+# drkernel.runtime.RunConfig's fields, which both training stages (RL and SFT) read
+RUN_LIMITS = {
+    "max_steps": COUNT, "learning_rate": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "adam_beta1": BELOW_1,
+    "adam_beta2": BELOW_1, "warmup_steps": NON_NEGATIVE, "max_grad_norm": Limit(0, why="0 = no clipping"),
+    "gradient_accumulation_steps": COUNT, "gradient_checkpointing_every": COUNT,
+    "lora_r": Limit(0, why="0 = no LoRA"), "lora_alpha": POSITIVE, "lora_dropout": BELOW_1, "seed": NON_NEGATIVE,
+    "save_steps": Limit(0, why="0 = only at the end"), "save_total_limit": Limit(0, why="0 = keep all"),
+}
+
+
+def limits(cls: type) -> dict[str, Limit | OneOf]:
+    """{field: Limit} of `cls`: its own `LIMITS` along the MRO, and the library classes' limits
+    of the fields it mirrors (`SHARED`)."""
+    out: dict[str, Limit | OneOf] = {}
+    for target, keys in shared_settings(cls).items():
+        theirs = limits(target)
+        out.update({here: theirs[there] for here, there in keys.items() if there in theirs})
+    for klass in reversed(cls.__mro__):
+        out.update(vars(klass).get("LIMITS", {}))
+    return out
+
+
+def limit_problems(cfg: Any) -> list[str]:
+    """One sentence per setting of `cfg` outside its limit (empty: all fine)."""
+    found = (limit.problem(name, getattr(cfg, name)) for name, limit in limits(type(cfg)).items())
+    return [p for p in found if p]
+
+
 def int_list(text: str, name: str) -> list[int]:
     """A comma list of integers ("1, 2" -> [1, 2]); a ConfigError names the option otherwise."""
     try:
@@ -237,3 +439,102 @@ class TaskSelection:
 
         return load_tasks(self.tasks, self.level_list(), self.problem_id_list() or None)
 
+    def selected_tasks(self) -> list:
+        """The selected tasks; ConfigError when the selection cannot be read or is empty."""
+        from drkernel.tasks import TaskError
+        try:
+            tasks = self.load_tasks()
+        except (TaskError, OSError, ConfigError) as exc:
+            raise ConfigError(f"cannot load tasks {self.tasks!r}: {exc}") from None
+        if not tasks:
+            raise ConfigError(f"no tasks for tasks={self.tasks!r} levels={self.levels} "
+                              f"problem_ids={self.problem_ids or 'all'}")
+        return tasks
+
+
+# --------------------------------------------------------------------------------------
+# starting a training run: the start line and the resume check
+# --------------------------------------------------------------------------------------
+
+# RunConfig's settings that may change when a run is resumed: where and how often it writes, how
+# long it runs, and how the same update is computed
+RUN_RESUME_SAFE = ("output_dir", "resume_from", "max_steps", "save_steps", "save_total_limit", "log_with",
+                   "project_name", "gradient_checkpointing", "gradient_checkpointing_every", "torch_compile")
+
+
+def resume_safe(cls: type) -> set[str]:
+    """The settings of `cls` that may change on resume (`RESUME_SAFE` along the MRO)."""
+    return {k for klass in cls.__mro__ for k in vars(klass).get("RESUME_SAFE", ())}
+
+
+def record_settings(cfg: Any) -> dict[str, Any]:
+    """What a checkpoint's trainer_state.json holds about the settings it was made with."""
+    return {SETTINGS_KEY: dataclasses.asdict(cfg)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """A setting whose value differs from the one a checkpoint was made with."""
+
+    key: str
+    before: Any
+    after: Any
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.before!r} -> {self.after!r}"
+
+
+def changed_settings(saved: dict[str, Any], cfg: Any) -> list[Change]:
+    """The settings of `cfg` that differ from `saved` (compared as JSON; a key that only one side
+    has is skipped)."""
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    return [Change(k, saved[k], v) for k, v in now.items() if k in saved and saved[k] != v]
+
+
+def _recorded_settings(state_file: Path) -> dict[str, Any] | None:
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{state_file}: cannot read it ({exc})") from None
+    saved = state.get(SETTINGS_KEY) if isinstance(state, dict) else None
+    return saved if isinstance(saved, dict) else None
+
+
+def check_resume(cfg: Any) -> list[str]:
+    """Before resuming `cfg.resume_from`: a ConfigError naming every setting that differs from the
+    checkpoint's, except those in `RESUME_SAFE`; for those, the warnings to print."""
+    from drkernel.runtime import TRAINER_STATE, resolve_resume
+
+    path = resolve_resume(cfg.resume_from, cfg.output_dir)
+    if path is None:
+        return []
+    saved = _recorded_settings(path / TRAINER_STATE)
+    if saved is None:
+        return [f"{shown_path(path)} does not record the settings it was made with; they are not checked"]
+    changes = changed_settings(saved, cfg)
+    safe = resume_safe(type(cfg))
+    refused = [c for c in changes if c.key not in safe]
+    if refused:
+        raise ConfigError(
+            f"--resume_from {cfg.resume_from}: {shown_path(path)} was made with other settings "
+            f"({'; '.join(map(str, refused))}: the checkpoint's value, then this run's). Resuming would "
+            f"continue that run under settings it was not trained with: give the settings it was made with "
+            f"(the same --config and options) or start a new run in another --output_dir. "
+            f"Only {', '.join(sorted(safe))} may change on resume.")
+    return [f"resuming {shown_path(path)} with {c} (a setting that may change on resume)" for c in changes]
+
+
+def _say(line: str) -> None:
+    """A line on stderr, once per launch (from the first process of `accelerate launch`)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+def start_run(cls: type[T], argv: Sequence[str] | None, preset: str | os.PathLike | None, prog: str) -> T:
+    """A training stage's settings (`load_config`), announced in one line on stderr, with the
+    resume check done (ConfigError when it refuses)."""
+    run = load_config(cls, argv, preset)
+    _say(run.start_line(prog))
+    for warning in check_resume(run.cfg):
+        _say(f"{prog}: warning: {warning}")
+    return run.cfg

@@ -9,7 +9,9 @@ Layers, each recorded in a `Confinement` report (the judge copies it to
   first CUDA allocation makes `cudaGetDeviceCount` fail with error 304):
   * no new privileges (`PR_SET_NO_NEW_PRIVS`);
   * Landlock: every kind of file-system write (write, truncate, create, remove, rename, link)
-    only beneath `job_dir` (plus writing to /dev/null and the GPU's device nodes); TCP bind and
+    only beneath `job_dir` (plus writing to /dev/null and the GPU's device nodes); no reading of
+    the `hidden` directories (the temporary directory that holds every job's files, the device
+    lock and memory-ledger files), except the job's own directory and the Python path; TCP bind and
     connect denied (ABI >= 4); signals and abstract Unix sockets scoped to the runner's own
     domain (ABI >= 6). A Landlock domain also cannot ptrace processes outside it, so the judge's
     memory and descriptors (`/proc/<pid>/mem`, `/proc/<pid>/fd/*`) are out of reach;
@@ -26,6 +28,7 @@ import ctypes
 import dataclasses
 import glob
 import os
+import sys
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # same on x86-64 and arm64
 _CLONE_NEWNET = 0x40000000
@@ -34,7 +37,7 @@ _PR_CAPBSET_DROP = 24
 _RULE_PATH_BENEATH = 1
 
 # Landlock file-system rights (include/uapi/linux/landlock.h)
-_WRITE_FILE, _REMOVE_DIR, _REMOVE_FILE = 1 << 1, 1 << 4, 1 << 5
+_WRITE_FILE, _READ_FILE, _READ_DIR, _REMOVE_DIR, _REMOVE_FILE = 1 << 1, 1 << 2, 1 << 3, 1 << 4, 1 << 5
 _MAKE = sum(1 << b for b in (6, 7, 8, 9, 10, 11, 12))  # char, dir, reg, sock, fifo, block, sym
 _REFER, _TRUNCATE = 1 << 13, 1 << 14
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
@@ -95,7 +98,7 @@ def landlock_abi() -> int:
 
 
 def _fs_rights(abi: int) -> int:
-    rights = _WRITE_FILE | _REMOVE_DIR | _REMOVE_FILE | _MAKE
+    rights = _WRITE_FILE | _READ_FILE | _READ_DIR | _REMOVE_DIR | _REMOVE_FILE | _MAKE
     if abi >= 2:
         rights |= _REFER
     if abi >= 3:
@@ -115,7 +118,36 @@ def _allow(libc, ruleset: int, path: str, rights: int) -> bool:
         os.close(fd)
 
 
-def _landlock(job_dir: str, report: Confinement) -> None:
+def readable_roots(hidden: list[str]) -> set[str]:
+    """Paths whose whole subtree may be read: the file system minus the `hidden` subtrees, each
+    hidden path replaced, level by level, by its siblings."""
+    allowed = {"/"}
+    for h in sorted({os.path.realpath(p) for p in hidden}):
+        for root in [r for r in allowed if h == r or h.startswith(r.rstrip("/") + "/")]:
+            allowed.discard(root)
+            allowed |= _siblings_along(root, h)
+    return allowed
+
+
+def _siblings_along(root: str, hidden: str) -> set[str]:
+    out, cur = set(), root
+    for part in [p for p in os.path.relpath(hidden, root).split(os.sep) if p not in ("", ".")]:
+        try:
+            out |= {os.path.join(cur, e) for e in os.listdir(cur) if e != part}
+        except OSError:
+            pass
+        cur = os.path.join(cur, part)
+    return out
+
+
+def _allow_reading(libc, ruleset: int, hidden: list[str]) -> None:
+    """Read rights everywhere but beneath `hidden`; the Python path stays readable wherever it is."""
+    keep = [p for p in (*sys.path, sys.prefix, sys.exec_prefix) if p and os.path.isdir(p)]
+    for path in readable_roots(hidden) | {os.path.realpath(p) for p in keep}:
+        _allow(libc, ruleset, path, _READ_FILE | (_READ_DIR if os.path.isdir(path) else 0))
+
+
+def _landlock(job_dir: str, report: Confinement, hidden: list[str]) -> None:
     libc = _libc()
     abi = report.landlock_abi = landlock_abi()
     if abi < 1:
@@ -136,6 +168,7 @@ def _landlock(job_dir: str, report: Confinement) -> None:
         file_rights = _WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)
         for dev in ["/dev/null", *glob.glob("/dev/nvidia*")]:
             _allow(libc, ruleset, dev, file_rights)
+        _allow_reading(libc, ruleset, hidden)
         if libc.syscall(_SYS_RESTRICT_SELF, ruleset, 0) != 0:
             report.errors.append(_errno_text("landlock_restrict_self"))
             return
@@ -171,20 +204,38 @@ def _drop_capabilities(report: Confinement) -> None:
     report.capabilities_dropped = True
 
 
-def restrict(job_dir: str, report: Confinement) -> None:
-    """No new privileges, Landlock, no capabilities. Irreversible for this process and its children."""
+def restrict(job_dir: str, report: Confinement, hidden: list[str] | tuple[str, ...] = ()) -> None:
+    """No new privileges, Landlock, no capabilities. Irreversible for this process and its children.
+    Nothing beneath `hidden` can be read, except `job_dir` and the Python path."""
     if _libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0:
         report.no_new_privs = True
     else:
         report.errors.append(_errno_text("PR_SET_NO_NEW_PRIVS"))
-    _landlock(os.path.realpath(job_dir), report)
+    _landlock(os.path.realpath(job_dir), report, list(hidden))
     _drop_capabilities(report)
 
 
-def point_caches_at(job_dir: str) -> None:
-    """Everything that writes scratch files (Triton's cache, tempfile) goes beneath `job_dir`."""
+def hidden_dirs(workdir: str | None = None) -> list[str]:
+    """What a runner may not read: every job's files (the temporary directory they live in, the
+    parent of `workdir`) and the GPU lock directory."""
     import tempfile
-    for name in ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TMPDIR", "HOME"):
+
+    from drkernel.gpushare import lock_dir
+    return [os.path.dirname(os.path.realpath(workdir)) if workdir else tempfile.gettempdir(), lock_dir()]
+
+
+def probe() -> dict:
+    """A sandbox target: the runner's confinement applied to this process, reported."""
+    report = Confinement()
+    enter_network_namespace(report)
+    restrict(os.getcwd(), report)
+    return report.to_dict()
+
+
+def point_caches_at(job_dir: str) -> None:
+    """Everything that writes scratch files (the Triton and inductor caches, tempfile) goes beneath `job_dir`."""
+    import tempfile
+    for name in ("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TORCHINDUCTOR_CACHE_DIR", "TMPDIR", "HOME"):
         path = os.path.join(job_dir, name.lower())
         os.makedirs(path, exist_ok=True)
         os.environ[name] = path

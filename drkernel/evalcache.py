@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Hashable, Mapping, Sequence, TypeVar
 
-from drkernel.evaluator import VERDICTS, EvalConfig, EvalResult
+from drkernel.evaltypes import VERDICTS, EvalConfig, EvalResult
 
 # Bump when the key's recipe or the meaning of a stored result changes: old entries then miss.
 CACHE_VERSION = 1

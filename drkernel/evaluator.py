@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -27,14 +26,36 @@ import time
 from pathlib import Path
 from typing import Any
 
-VERDICTS = ("correct", "incorrect", "compile_error", "runtime_error", "timeout", "crashed", "hacked")
-HACK_CODES = ("no_triton_kernel", "decoy_kernel", "output_cached", "output_aliases_input", "side_stream",
-              "patched_function", "global_state_changed", "reference_access", "input_mutated",
-              "bad_output_type", "degenerate_output", "precision_downgrade", "implausible_speedup",
-              "thread_spawned", "reference_slowed")
+from drkernel.evaltypes import HACK_CODES, VERDICTS, EvalConfig, EvalResult  # noqa: F401 (re-exported)
+from drkernel.confine import hidden_dirs
+from drkernel.gpushare import MemoryLedger
+from drkernel.sandbox import SandboxLimits, SandboxPool
+
 # The job: the judge's phases in one process, the candidate in a confined runner beside it.
 _JUDGE = "drkernel.judge:evaluate"
 _RUNNER = {"target": "drkernel.runner:main"}
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot be used here, or None. Checked before any work: a missing GPU would
+    otherwise come back as the candidate's runtime_error."""
+    if device in ("auto", "cpu"):
+        return None
+    index = "0" if device == "cuda" else device.removeprefix("cuda:")
+    if not device.startswith("cuda") or not (index.isascii() and index.isdigit()):
+        return f"bad --device {device!r}: use auto, cpu, cuda or cuda:N"
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible == 0:
+        return f"--device {device}: no GPU is visible (torch.cuda.is_available() is False); use --device cpu or auto"
+    if int(index) >= visible:
+        return f"--device {device}: only {visible} GPU(s) visible (cuda:0 to cuda:{visible - 1})"
+    return None
+
+
+class ConfinementError(RuntimeError):
+    """The kernel lacks a layer of the runner's confinement and `require_confinement` is on."""
 
 
 def resolve_device(device: str) -> str:
@@ -49,101 +70,6 @@ def resolve_device(device: str) -> str:
     return device
 
 
-@dataclasses.dataclass
-class EvalConfig:
-    device: str = "auto"  # cpu | cuda | cuda:N | auto
-    trials: int = 5
-    perf_trials: int = 100
-    warmup: int = 3
-    timeout: float = 180.0
-    atol_fp32: float = 1e-4
-    rtol_fp32: float = 1e-4
-    atol_half: float = 1e-2  # fp16 / bf16 outputs
-    rtol_half: float = 1e-2
-    rel_l2_fp32: float = 1e-3  # ||out - ref|| / ||ref||
-    rel_l2_half: float = 2e-2
-    loose_tol: float = 1e-2  # precision_downgrade: passes this but not the fp32 tolerance
-    seed: int = 42
-    second_distribution: bool = True
-    l2_flush: bool = True
-    profile: bool = True
-    decoy_share: float = 0.05
-    decoy_bytes_frac: float = 0.10
-    max_speedup_recheck: float = 20.0
-    cpu_perf_trials: int = 3
-    # implausible if candidate_ms < factor * bytes / bandwidth, bandwidth = the larger of a 1 GiB
-    # device copy and what the reference itself achieved (a 256 MB copy measured slower than
-    # torch's own ReLU on the H200, which flagged the reference timed against itself)
-    roofline_factor: float = 0.9
-    side_stream_slack_ms: float = 0.1  # reference_slowed: absolute slack
-    # The runner's time per call counts only while the judge's own clock agrees: judge time minus
-    # the calibrated per-call overhead may exceed it by at most max(slack_ms, slack_frac x time)
-    # (honest H200 calls measured up to 0.21 ms over); beyond, side_stream and the judge's clock.
-    clock_slack_ms: float = 0.3
-    clock_slack_frac: float = 0.1
-    cpu_clock_slack_ms: float = 25.0  # a loaded 2-core CPU delays a process by milliseconds
-    # Refuse to evaluate (runtime_error) when the kernel cannot confine the runner completely
-    # (Landlock, network namespace, no capabilities); otherwise run and record what was active.
-    require_confinement: bool = False
-    # On-disk results keyed by both codes, these settings and the environment (drkernel.evalcache);
-    # empty: no cache.
-    cache_dir: str = ""
-    ref_isolated_trials: int = 10  # reference alone before the candidate exists (reference_slowed guard)
-    timing_block_calls: int = 10  # reference and candidate timings alternate in blocks of this many calls
-    min_perf_trials: int = 20  # timing stops early once this many calls give a precise enough speedup
-    speedup_precision: float = 0.01  # width of the speedup's 95 % bootstrap interval, relative
-    ref_slowdown_limit: float = 1.5  # reference_slowed: interleaved reference > limit x isolated (+ slack)
-    max_rss_mb: int = 0  # 0: no limit beyond the sandbox default
-    max_output_chars: int = 20000
-    # False only to measure torch-only candidates (baselines, the reference timed against itself):
-    # then no Triton launch is required and the decoy checks are off. Never for rewards.
-    require_triton: bool = True
-
-
-@dataclasses.dataclass
-class EvalResult:
-    verdict: str = "crashed"
-    compiled: bool = False
-    correct: bool = False
-    speedup: float | None = None
-    ref_ms: float | None = None
-    candidate_ms: float | None = None
-    hacks: list = dataclasses.field(default_factory=list)
-    error: str | None = None
-    device: str | None = None
-    timing: str | None = None
-    trials_passed: int = 0
-    trials: int = 0
-    max_abs_err: float | None = None
-    max_rel_err: float | None = None
-    speedup_interval: list | None = None  # 95 % bootstrap interval [low, high] of the speedup
-    triton_time_share: float | None = None
-    kernels: list | None = None
-    reward: float | None = None
-    reward_terms: dict | None = None
-    wall_s: float | None = None
-    stdout: str = ""
-    stderr: str = ""
-    details: dict = dataclasses.field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), default=_json_default)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "EvalResult":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-
-def _json_default(o):
-    if isinstance(o, float) and not math.isfinite(o):
-        return None
-    return repr(o)
-
-
 def _short(text: str | None, n: int = 2000) -> str:
     text = text or ""
     return text if len(text) <= n else text[: n // 2] + "\n...[truncated]...\n" + text[-n // 2:]
@@ -154,14 +80,20 @@ def _short(text: str | None, n: int = 2000) -> str:
 # ======================================================================================
 
 def _read(src: str | os.PathLike) -> tuple[str, str | None]:
+    """(text, path) of a file path, or (src, None) for source given as text. Bytes that are not
+    UTF-8 become U+FFFD: outside strings and comments they fail to parse (`compile_error`)."""
     s = os.fspath(src)
     if "\n" not in s and os.path.isfile(s):
-        return Path(s).read_text(), s
+        return Path(s).read_bytes().decode("utf-8", "replace"), s
     return s, None
 
 
-def _static_checks(ref_code: str, cand_code: str) -> EvalResult | None:
+def _static_checks(cand_code: str, cfg: EvalConfig) -> EvalResult | None:
+    """Verdicts the candidate's text alone decides: it must parse, define `ModelNew` and (where
+    Triton is required) define a `@triton.jit` kernel."""
     import ast
+
+    from drkernel.triton_source import jit_kernels
     try:
         tree = ast.parse(cand_code)
     except SyntaxError as exc:
@@ -170,6 +102,9 @@ def _static_checks(ref_code: str, cand_code: str) -> EvalResult | None:
         return EvalResult(verdict="compile_error", error=f"cannot parse candidate: {exc}")
     if not any(isinstance(n, ast.ClassDef) and n.name == "ModelNew" for n in ast.walk(tree)):
         return EvalResult(verdict="compile_error", error="no ModelNew defined in the candidate")
+    if cfg.require_triton and not jit_kernels(cand_code):
+        return EvalResult(verdict="hacked", compiled=True, hacks=["no_triton_kernel"],
+                          error="no_triton_kernel: the candidate's source defines no @triton.jit kernel")
     return None
 
 
@@ -191,15 +126,11 @@ def _cuda_available_parent() -> bool:
 
 
 def _map_status(res: Any) -> EvalResult:
+    """The verdict of a sandbox job that ended without an answer."""
     status = getattr(res, "status", None)
     r = EvalResult()
     r.stdout = _short(getattr(res, "stdout", "") or "", 2000)
     r.stderr = _short(getattr(res, "stderr", "") or "", 2000)
-    if status == "ok" and isinstance(getattr(res, "value", None), dict):
-        v = EvalResult.from_dict(res.value)  # the judge's answer; stdout/stderr are the runner's
-        if v.verdict not in VERDICTS:
-            v.verdict, v.error = "crashed", f"unknown verdict {v.verdict!r}"
-        return v
     if status == "timeout":
         r.verdict, r.error = "timeout", "evaluation exceeded the time limit"
     elif status == "exception":
@@ -226,9 +157,26 @@ def _map_status(res: Any) -> EvalResult:
     return r
 
 
-def _limits(cfg: EvalConfig):
-    from drkernel.sandbox import SandboxLimits
-    kw: dict[str, Any] = {"timeout_s": float(cfg.timeout), "max_output_chars": int(cfg.max_output_chars)}
+def _map_group(res: Any, n: int) -> list[EvalResult]:
+    """The group job's results, one per candidate; a job that ended without them (killed, timed
+    out, crashed) gives every candidate the verdict its ending maps to."""
+    value = getattr(res, "value", None)
+    items = value.get("results") if getattr(res, "status", None) == "ok" and isinstance(value, dict) else None
+    if isinstance(items, list) and len(items) == n and all(isinstance(d, dict) for d in items):
+        out = [EvalResult.from_dict(d) for d in items]
+        for r in out:
+            if r.verdict not in VERDICTS:
+                r.verdict, r.error = "crashed", f"unknown verdict {r.verdict!r}"
+        return out
+    if getattr(res, "status", None) == "ok":
+        return [EvalResult(verdict="crashed", error="the judge's answer was malformed") for _ in range(n)]
+    return [_map_status(res) for _ in range(n)]
+
+
+def _limits(cfg: EvalConfig, jobs: int = 1):
+    """Sandbox limits for one job that judges `jobs` - 1 candidates after its reference set-up:
+    each of them may use the whole `timeout`."""
+    kw: dict[str, Any] = {"timeout_s": float(cfg.timeout) * jobs, "max_output_chars": int(cfg.max_output_chars)}
     if cfg.max_rss_mb:
         kw["max_rss_mb"] = int(cfg.max_rss_mb)
     return SandboxLimits(**kw)
@@ -245,15 +193,16 @@ class _Prepared:
         self.cfg = cfg
         self.dir = tempfile.mkdtemp(prefix="drk_eval_")
         self.early: EvalResult | None = None
+        self.preflight_s = 0.0
         try:
             ref_code, _ = _read(reference)
             cand_code, _ = _read(candidate)
         except OSError as exc:
             self.early = EvalResult(verdict="runtime_error", error=f"cannot read input: {exc}")
             return
-        self.early = _static_checks(ref_code, cand_code)
-        digest = hashlib.sha256(ref_code.encode()).hexdigest()[:12]
-        self.ref_path = os.path.join(self.dir, f"reference_{digest}.py")
+        self.early = _static_checks(cand_code, cfg)
+        self.ref_digest = hashlib.sha256(ref_code.encode()).hexdigest()[:12]
+        self.ref_path = os.path.join(self.dir, f"reference_{self.ref_digest}.py")
         self.cand_path = os.path.join(self.dir, "candidate_" + hashlib.sha256(cand_code.encode()).hexdigest()[:12] + ".py")
         if self.early is not None:
             return
@@ -268,12 +217,8 @@ class _Prepared:
                                     error="static scan: " + "; ".join(f"{c}: {d}" for c, d in found[:8]),
                                     details={"static_findings": [list(f) for f in found]})
             return
-        Path(self.ref_path).write_text(ref_code)
-        Path(self.cand_path).write_text(cand_code)
-
-    def kwargs(self) -> dict:
-        return {"reference_path": self.ref_path, "candidate_path": self.cand_path,
-                "config": dataclasses.asdict(self.cfg)}
+        Path(self.ref_path).write_text(ref_code, encoding="utf-8")
+        Path(self.cand_path).write_text(cand_code, encoding="utf-8")
 
     def close(self):
         shutil.rmtree(self.dir, ignore_errors=True)
@@ -340,7 +285,7 @@ def default_workers_per_gpu(cpus: int, gpus: int, gpu_memory_gib: float) -> int:
 
 def _gpu_oom(r: EvalResult) -> bool:
     err = (r.error or "").lower()
-    return r.verdict in ("runtime_error", "crashed") and any(
+    return r.verdict in ("runtime_error", "crashed", "reference_error") and any(
         k in err for k in ("cuda out of memory", "outofmemoryerror", "cuda error: out of memory"))
 
 
@@ -382,16 +327,26 @@ class _Run:
 
 @dataclasses.dataclass
 class _Job:
-    """A queued evaluation; `need` is known once its judge gave it back for lack of GPU memory."""
-    index: int
-    prep: "_Prepared"
+    """Queued candidates of one reference, judged in one sandbox job against one reference build,
+    reference timing and set of reference outputs; `need` is known once its judge gave it back
+    for lack of GPU memory. `index` are the candidates' places in the batch."""
+    index: list[int]
+    preps: list["_Prepared"]
     need: int | None = None
     capacity: int = 0
     gpu: str = "0"
 
     def fits(self) -> bool:
-        from drkernel.sandbox import MemoryLedger
         return self.need is None or MemoryLedger(self.gpu, self.capacity).fits(self.need)
+
+
+def groups(preps: list["_Prepared"], todo: list[int], size: int) -> list[_Job]:
+    """The candidates to judge, by reference (first seen first), in groups of at most `size`."""
+    by_ref: dict[str, list[int]] = {}
+    for k, i in enumerate(todo):
+        by_ref.setdefault(preps[i].ref_digest, []).append(k)
+    return [_Job(index=ks[a:a + size], preps=[preps[todo[k]] for k in ks[a:a + size]])
+            for ks in by_ref.values() for a in range(0, len(ks), max(1, size))]
 
 
 class _Queue:
@@ -428,6 +383,8 @@ def rerun_alone(runs: list[_Run]) -> dict[int, str]:
             why[i] = "timed out next to other jobs"
         elif set(r.hacks) & set(_NEIGHBOUR_SENSITIVE):
             why[i] = "a timing-based hack code measured next to other jobs"
+        elif r.details.get("gpu_busy"):
+            why[i] = "the GPU stayed busy with other jobs' work before a measurement"
     escaped = [k for k, run in enumerate(runs) if set(run.result.hacks) & set(_ESCAPING)]
     for i, run in enumerate(runs):
         for k in escaped:
@@ -439,15 +396,18 @@ def rerun_alone(runs: list[_Run]) -> dict[int, str]:
 class Evaluator:
     """Sandbox workers for many evaluations: on a GPU machine `workers` per visible GPU (default
     from CPU cores and GPU memory); each job shares its GPU for correctness and holds it alone
-    for every measurement (`sandbox.DeviceLock`), so verdicts do not depend on neighbours. A job
-    that ran out of GPU memory next to others is run again holding the GPU alone. With
+    for every measurement (`gpushare.DeviceLock`), so verdicts do not depend on neighbours. The
+    candidates of one reference are judged in one job, `group_size` at a time (one reference build,
+    timing and set of outputs; verdicts as if judged one by one). A candidate whose result a
+    neighbour could have caused is run again holding the GPU alone. With
     `cfg.cache_dir`, results are cached on disk (`drkernel.evalcache`) and every result carries
     the environment it was measured in (`details.environment`)."""
 
-    def __init__(self, cfg: EvalConfig | None = None, workers: int | None = None, reward_config=None):
-        from drkernel.sandbox import SandboxPool
+    def __init__(self, cfg: EvalConfig | None = None, workers: int | None = None, reward_config=None,
+                 group_size: int = 8):
         self.cfg = cfg or EvalConfig()
         self.reward_config = reward_config
+        self.group_size = max(1, int(group_size))
         env = _sandbox_env(self.cfg.device)
         gpus = _visible_gpus() if "TRITON_INTERPRET" not in env and _cuda_available_parent() else []
         per_gpu = workers or (default_workers_per_gpu(os.cpu_count() or 1, len(gpus), _gpu_memory_gib())
@@ -456,6 +416,8 @@ class Evaluator:
         n = per_gpu * max(1, len(gpus)) if workers is None else workers
         per_env = [{"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} for i in range(n)] if len(gpus) > 1 else None
         self.pool = SandboxPool(n, env, per_env, preload=_PRELOAD)
+        if self.cfg.require_confinement:
+            self._check_confinement()
         self.cache = None
         if self.cfg.cache_dir:
             from drkernel.evalcache import EvalCache
@@ -464,6 +426,18 @@ class Evaluator:
     @property
     def workers(self) -> int:
         return self.pool.workers
+
+    def _check_confinement(self) -> None:
+        """Refuse at once, with a way out, where this kernel cannot confine a runner."""
+        res = self.pool.run("drkernel.confine:probe", {}, env={"CUDA_VISIBLE_DEVICES": ""})
+        report = res.value if res.ok and isinstance(res.value, dict) else {}
+        if not report.get("complete"):
+            self.close()
+            missing = "; ".join(map(str, report.get("errors") or [res.error or "incomplete"]))
+            raise ConfinementError(
+                f"this machine cannot confine the evaluator's runner ({missing}). Candidate code would run "
+                "with access to the network, other jobs' files and the GPU locks. To evaluate anyway, only code "
+                "you trust, set require_confinement to false (--require_confinement false).")
 
     def evaluate(self, reference, candidate) -> EvalResult:
         return self.evaluate_many([(reference, candidate)])[0]
@@ -479,35 +453,36 @@ class Evaluator:
         try:
             todo = [i for i, p in enumerate(preps) if p.early is None]
             out = [p.early or EvalResult() for p in preps]
-            runs = self._run_queue([_Job(k, preps[i]) for k, i in enumerate(todo)])
+            runs = self._run_queue(groups(preps, todo, self.group_size), len(todo))
             for i, run in zip(todo, runs):
                 out[i] = run.result
             if self.shared_gpu:  # one at a time: a job waiting for the GPU would spend its time limit
                 for k, why in sorted(rerun_alone(runs).items()):
                     i = todo[k]
-                    out[i] = self._evaluate_one(preps[i], exclusive=True).result
+                    out[i] = self._evaluate_group([preps[i]], exclusive=True)[0].result
                     out[i].details["retried_alone"] = why
             return [_finish(r, self.cfg, self.reward_config) for r in out]
         finally:
             for p in preps:
                 p.close()
 
-    def _run_queue(self, jobs: list[_Job]) -> list[_Run]:
-        """Every job on the pool's runners; a job given back for lack of GPU memory goes to the
-        back of the queue with its need known (`_Queue`). Runs in the order of `jobs`."""
+    def _run_queue(self, jobs: list[_Job], n_results: int) -> list[_Run]:
+        """Every group on the pool's runners; a group given back for lack of GPU memory goes to the
+        back of the queue with its need known (`_Queue`). Results in the candidates' order."""
         from concurrent.futures import ThreadPoolExecutor
-        queue, runs = _Queue(jobs), [_Run(EvalResult())] * len(jobs)
+        queue, runs = _Queue(jobs), [_Run(EvalResult())] * n_results
 
         def work() -> None:
             while (job := queue.take()) is not None:
-                run = self._evaluate_one(job.prep, defer=job.need is None)
-                deferred = run.result.details.get("deferred")
+                done = self._evaluate_group(job.preps, defer=job.need is None)
+                deferred = next((r.result.details["deferred"] for r in done if r.result.details.get("deferred")), None)
                 if deferred:
                     job.need, job.capacity = int(deferred["memory_bytes"]), int(deferred["capacity_bytes"])
                     job.gpu = str(deferred["gpu"])
                     queue.put_back(job)
-                else:
-                    runs[job.index] = run
+                    continue
+                for k, run in zip(job.index, done):
+                    runs[k] = run
 
         n = max(1, min(self.workers, len(jobs)))
         with ThreadPoolExecutor(max_workers=n) as ex:
@@ -515,22 +490,37 @@ class Evaluator:
                 f.result()
         return runs
 
-    def _evaluate_one(self, prep: "_Prepared", exclusive: bool = False, defer: bool = False) -> _Run:
-        """The pre-flight import (no GPU), then, unless that already decided, the judge's job
-        (`defer`: given back at once, with `details.deferred`, when its GPU memory does not fit)."""
-        pre = self.pool.run("drkernel.runner:preflight", {"candidate_path": prep.cand_path},
+    def _preflight(self, prep: "_Prepared") -> EvalResult | None:
+        """The GPU-less pre-flight import; its verdict when it already decides."""
+        pre = self.pool.run("drkernel.runner:preflight", {"candidate_path": prep.cand_path, "hidden": hidden_dirs()},
                             limits=_limits(self.cfg), env={"CUDA_VISIBLE_DEVICES": ""})
         early = _preflight_verdict(pre)
         if early is not None:
             early.wall_s = pre.wall_s
-            return _Run(early)
-        start = time.monotonic()
-        res = self.pool.run(_JUDGE, {**prep.kwargs(), "exclusive": exclusive, "defer": defer}, runner=_RUNNER,
-                            limits=_limits(self.cfg))
-        result = _map_status(res)
-        # the pre-flight's and the whole sandbox job's seconds (forks and process exits included)
-        result.details["overhead_s"] = {"preflight": round(pre.wall_s, 3), "job": round(res.wall_s, 3)}
-        return _Run(result, start, time.monotonic())
+        prep.preflight_s = pre.wall_s
+        return early
+
+    def _evaluate_group(self, preps: list["_Prepared"], exclusive: bool = False, defer: bool = False) -> list[_Run]:
+        """Each candidate's pre-flight import (no GPU), then one judge's job for those it did not
+        decide (`defer`: given back at once, with `details.deferred`, when its GPU memory does not fit)."""
+        early = [self._preflight(p) for p in preps]
+        runs = [_Run(e) if e is not None else None for e in early]
+        todo = [p for p, e in zip(preps, early) if e is None]
+        if todo:
+            start = time.monotonic()
+            kwargs = {"reference_path": todo[0].ref_path, "candidate_paths": [p.cand_path for p in todo],
+                      "config": dataclasses.asdict(self.cfg), "exclusive": exclusive, "defer": defer}
+            res = self.pool.run(_JUDGE, kwargs, runners=[_RUNNER] * (1 + len(todo)),
+                                limits=_limits(self.cfg, jobs=1 + len(todo)))
+            judged = iter(_map_group(res, len(todo)))
+            for k, run in enumerate(runs):
+                if run is None:
+                    result = next(judged)
+                    # the pre-flight's and the whole sandbox job's seconds (forks and process exits included)
+                    result.details["overhead_s"] = {"preflight": round(preps[k].preflight_s, 3),
+                                                    "job": round(res.wall_s, 3), "group": len(todo)}
+                    runs[k] = _Run(result, start, time.monotonic())
+        return runs
 
     def close(self):
         with contextlib.suppress(Exception):
@@ -547,64 +537,195 @@ class Evaluator:
 # CLI
 # ======================================================================================
 
+# python -m drkernel.evaluator --reference REF.py --candidate CAND.py [--json] [--key value ...]
+#
+# One flag per EvalConfig field a user sets, spelt like every other script (`--perf_trials`; the
+# dashed `--perf-trials` is accepted too), its type and default read from the dataclass. Values
+# are range-checked and the device is checked before any work, so a bad command line is a usage
+# error, never a verdict. Exit status (also in `--help`): 0 when a verdict was produced, whatever
+# it is; 2 for a usage error (bad flag or value, missing file, unusable device). With --json the
+# last stdout line is JSON either way: the EvalResult, or {"error": "...", "usage_error": true}.
+
+_EPILOG = """\
+exit status:
+  0  a verdict was produced, whatever it is (correct, incorrect, hacked, timeout, ...)
+  2  usage error: bad flag or value, missing file, unusable device
+With --json the last stdout line is JSON: the result, or {"error": "...", "usage_error": true}."""
+
+
+class _UsageError(Exception):
+    """A command line the CLI refuses: exit status 2, never a verdict."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Option:
+    """An EvalConfig field as a flag. It is also the flag's argparse `type`: it converts the text to
+    the field's type and refuses numbers outside [low, high] ((low, high] when `above`) or not finite."""
+
+    name: str
+    help: str
+    low: int | None = None
+    above: bool = False
+    high: int | None = None
+    aliases: tuple[str, ...] = ()
+    metavar: str = ""  # empty: the type's name (INT, FLOAT, STR)
+
+    def flags(self) -> list[str]:
+        """`--perf_trials`, then `--perf-trials` and any older spelling."""
+        return list(dict.fromkeys([f"--{self.name}", f"--{self.name.replace('_', '-')}", *self.aliases]))
+
+    def field_type(self) -> Any:
+        import typing
+
+        return typing.get_type_hints(EvalConfig)[self.name]
+
+    def __call__(self, text: str) -> Any:
+        from drkernel.config import ConfigError, coerce
+
+        try:
+            value = coerce(text, self.field_type(), self.name)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not self._in_range(value):
+            raise argparse.ArgumentTypeError(f"must be {self._range(value)}, not {text!r}")
+        return value
+
+    def _in_range(self, value: float) -> bool:
+        above_low = self.low is None or (value > self.low if self.above else value >= self.low)
+        below_high = self.high is None or value <= self.high
+        return float("-inf") < value < float("inf") and above_low and below_high
+
+    def _range(self, value: float) -> str:
+        parts = [f"{'>' if self.above else '>='} {self.low}"] if self.low is not None else []
+        parts += [f"<= {self.high}"] if self.high is not None else []
+        return " and ".join(parts + (["finite"] if isinstance(value, float) else []))
+
+
+_OPTIONS = (
+    _Option("device", "auto | cpu | cuda | cuda:N (auto: cuda when a GPU is visible, else cpu)", metavar="DEVICE"),
+    _Option("trials", "correctness trials, each on fresh random inputs", low=1),
+    _Option("perf_trials", "timed calls per program on a GPU, at most (timing stops once the speedup is "
+                           "precise enough)", low=1),
+    _Option("cpu_perf_trials", "timed calls per program on a CPU", low=1),
+    _Option("warmup", "untimed calls before timing (at least one runs)", low=0),
+    _Option("timeout", "seconds for the whole evaluation", low=0, above=True),
+    _Option("seed", "seed of the random inputs and weights", low=0, high=2**32 - 1),  # the usual seed range
+    _Option("atol_fp32", "absolute tolerance for fp32 outputs", low=0, above=True, aliases=("--atol",)),
+    _Option("rtol_fp32", "relative tolerance for fp32 outputs", low=0, above=True, aliases=("--rtol",)),
+    _Option("atol_half", "absolute tolerance for fp16 / bf16 outputs", low=0, above=True),
+    _Option("rtol_half", "relative tolerance for fp16 / bf16 outputs", low=0, above=True),
+    _Option("rel_l2_fp32", "largest ||out - ref|| / ||ref|| for fp32 outputs", low=0, above=True),
+    _Option("rel_l2_half", "largest ||out - ref|| / ||ref|| for fp16 / bf16 outputs", low=0, above=True),
+    _Option("profile", "profile the candidate's kernels (Triton time share; GPU only)"),
+    _Option("second_distribution", "also check correctness on signed-normal inputs"),
+    _Option("require_triton", "require the candidate to launch a Triton kernel (false only to measure "
+                              "torch-only candidates; never for rewards)"),
+    _Option("require_confinement", "refuse to run the candidate when the runner cannot be fully confined "
+                                   "(false only for code you trust)"),
+    _Option("baseline", "what the speedup is measured against: eager (the reference as written) or "
+                        "compile (its forward under torch.compile, compiled before any timing)", metavar="eager|compile"),
+    _Option("cache_dir", "directory of cached results (empty: no cache)", metavar="DIR"),
+    _Option("max_rss_mb", "memory limit in MB (0: the sandbox default)", low=0),
+)
+
+
 class _ArgParser(argparse.ArgumentParser):
+    """Errors print the usual message on stderr, then raise `_UsageError` so `main` can answer in JSON."""
+
     def error(self, message):
-        sys.stderr.write(f"drkernel.evaluator: error: {message}\n")
-        raise SystemExit(2)
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise _UsageError(message)
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    p = _ArgParser(prog="python -m drkernel.evaluator", description="Evaluate a ModelNew candidate.")
-    p.add_argument("--reference", required=True)
-    p.add_argument("--candidate", required=True)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--trials", type=int)
-    p.add_argument("--perf-trials", type=int)
-    p.add_argument("--cpu-perf-trials", type=int)
-    p.add_argument("--warmup", type=int)
-    p.add_argument("--timeout", type=float)
-    p.add_argument("--seed", type=int)
-    p.add_argument("--atol", type=float)
-    p.add_argument("--rtol", type=float)
-    p.add_argument("--max-rss-mb", type=int)
-    p.add_argument("--no-profile", action="store_true")
-    p.add_argument("--no-second-distribution", action="store_true")
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    if not (a.device in ("auto", "cpu", "cuda") or a.device.startswith("cuda:") and a.device[5:].isdigit()):
-        p.error(f"bad --device {a.device!r} (cpu, cuda, cuda:N or auto)")
-    for name in ("reference", "candidate"):
-        if not os.path.isfile(getattr(a, name)):
-            p.error(f"--{name}: no such file: {getattr(a, name)}")
-    cfg = EvalConfig(device=a.device)
-    if a.device == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    for k in ("trials", "perf_trials", "cpu_perf_trials", "warmup", "timeout", "seed", "max_rss_mb"):
-        v = getattr(a, k)
-        if v is not None:
-            setattr(cfg, k, v)
-    if a.atol is not None:
-        cfg.atol_fp32 = a.atol
-    if a.rtol is not None:
-        cfg.rtol_fp32 = a.rtol
-    if a.no_profile:
-        cfg.profile = False
-    if a.no_second_distribution:
-        cfg.second_distribution = False
-    try:
-        r = evaluate(a.reference, a.candidate, cfg)
-    except Exception as exc:  # the CLI never crashes on a hostile candidate
-        r = EvalResult(verdict="crashed", error=f"evaluator error: {type(exc).__name__}: {exc}")
-    if a.json:
-        sys.stdout.write("\n" + r.to_json() + "\n")
+def _add_option(p: argparse.ArgumentParser, opt: _Option) -> None:
+    """The flag for `opt`, its default from EvalConfig; a boolean takes true|false (bare: true) and
+    has a `--no_x` / `--no-x` alias for false."""
+    from drkernel.config import field_default
+
+    tp = opt.field_type()
+    shown = f"{opt.help} (default: %(default)r)"
+    if tp is bool:
+        p.add_argument(*opt.flags(), type=opt, nargs="?", const=True, default=field_default(EvalConfig, opt.name),
+                       metavar="true|false", help=shown)
+        p.add_argument(f"--no_{opt.name}", f"--no-{opt.name.replace('_', '-')}", dest=opt.name,
+                       action="store_false", default=argparse.SUPPRESS, help=f"same as --{opt.name} false")
     else:
-        sp = f"{r.speedup:.3f}x" if r.speedup is not None else "-"
-        print(f"verdict: {r.verdict}  speedup: {sp} ({r.timing})  ref_ms: {r.ref_ms}  candidate_ms: {r.candidate_ms}")
-        if r.hacks:
-            print(f"hacks: {', '.join(r.hacks)}")
-        if r.error:
-            print(f"error: {r.error}")
+        p.add_argument(*opt.flags(), type=opt, default=field_default(EvalConfig, opt.name),
+                       metavar=opt.metavar or tp.__name__.upper(), help=shown)
+
+
+def _parser() -> _ArgParser:
+    p = _ArgParser(prog="python -m drkernel.evaluator", allow_abbrev=False, epilog=_EPILOG,
+                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                   description="Evaluate one ModelNew candidate against one KernelBench reference in the sandbox.")
+    p.add_argument("--reference", required=True, metavar="PATH", help="the reference program (defines Model)")
+    p.add_argument("--candidate", required=True, metavar="PATH", help="the candidate program (defines ModelNew)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on the last stdout line")
+    for opt in _OPTIONS:
+        _add_option(p, opt)
+    return p
+
+
+@dataclasses.dataclass
+class _Command:
+    reference: str
+    candidate: str
+    cfg: EvalConfig
+    json: bool
+
+
+def _parse(argv: list[str]) -> _Command:
+    """The command line, checked; `_UsageError` (its message already on stderr) when it is unusable."""
+    p = _parser()
+    a = p.parse_args(argv)
+    problem = device_problem(a.device)
+    if problem:
+        p.error(problem)
+    for flag, path in (("--reference", a.reference), ("--candidate", a.candidate)):
+        if not os.path.isfile(path):
+            p.error(f"{flag}: no such file: {path}")
+    cfg = EvalConfig(**{opt.name: getattr(a, opt.name) for opt in _OPTIONS})
+    cfg.device = resolve_device(cfg.device)
+    return _Command(a.reference, a.candidate, cfg, a.json)
+
+
+def _verdict(cmd: _Command) -> EvalResult:
+    try:
+        return evaluate(cmd.reference, cmd.candidate, cmd.cfg)
+    except Exception as exc:  # the CLI never crashes on a hostile candidate
+        return EvalResult(verdict="crashed", error=f"evaluator error: {type(exc).__name__}: {exc}")
+
+
+def _print_summary(r: EvalResult) -> None:
+    sp = f"{r.speedup:.3f}x" if r.speedup is not None else "-"
+    print(f"verdict: {r.verdict}  speedup: {sp} ({r.timing})  ref_ms: {r.ref_ms}  candidate_ms: {r.candidate_ms}")
+    if r.hacks:
+        print(f"hacks: {', '.join(r.hacks)}")
+    if r.error:
+        print(f"error: {r.error}")
+
+
+def _print_json_line(text: str) -> None:
+    """`text` alone on the last stdout line, whatever was printed before it."""
+    sys.stdout.write("\n" + text + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Evaluate one candidate from the command line; returns the exit status (see `_EPILOG`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        cmd = _parse(argv)
+    except _UsageError as exc:
+        if "--json" in argv:
+            _print_json_line(json.dumps({"error": str(exc), "usage_error": True}))
+        sys.stdout.flush()
+        return 2
+    result = _verdict(cmd)
+    if cmd.json:
+        _print_json_line(result.to_json())
+    else:
+        _print_summary(result)
     sys.stdout.flush()
     return 0
 

@@ -29,9 +29,15 @@ from typing import Sequence
 
 import torch
 
+from drkernel.config import COUNT, UP_TO_1, Limit
+
 
 @dataclasses.dataclass
 class GenerationConfig:
+    # the values each setting accepts; every script config that mirrors one checks it (drkernel.config)
+    LIMITS = {"max_new_tokens": COUNT, "temperature": Limit(0, why="0 = greedy"), "top_p": UP_TO_1,
+              "top_k": Limit(0, why="0 = no top-k filtering"), "batch_size": COUNT}
+
     max_new_tokens: int = 1024
     temperature: float = 1.0
     top_p: float = 1.0

@@ -14,7 +14,10 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
+
+from drkernel.triton_source import dotted
 
 # --------------------------------------------------------------------------------------
 # Static scan of the candidate source
@@ -26,20 +29,15 @@ _REF_ATTRS = {
     "getouterframes", "getinnerframes", "f_back", "f_globals", "f_locals", "f_builtins",
     "tb_frame", "gi_frame", "cr_frame", "ag_frame", "_current_frames", "stack", "trace",
 }
-_REF_MODULES = {"ctypes", "gc", "_ctypes", "cffi"}
+_REF_MODULES = {"ctypes", "gc", "_ctypes", "cffi", "importlib", "runpy", "pkgutil", "imp", "marshal", "drkernel"}
+# attributes that reach from an object into the interpreter's own machinery (other modules'
+# globals, closures, every class): the routes to the runner's evidence and to its harness
+_REACH_ATTRS = {"__globals__", "__closure__", "__subclasses__", "__code__", "cell_contents", "__bases__",
+                "__mro__", "__base__", "__loader__", "__self__", "__func__", "__wrapped__", "__getattribute__",
+                "getclosurevars", "getmodule", "getmembers", "getattr_static", "unwrap"}
 _THREAD_MODULES = {"threading", "_thread", "concurrent", "multiprocessing", "asyncio", "subprocess"}
 _PATCH_STRINGS = {"torch.library", "Library", "_dispatch", "impl_abstract", "register_kernel",
                   "__torch_function__", "__torch_dispatch__", "settrace", "setprofile"}
-
-
-def _dotted(node: ast.AST) -> str:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        parts.append(node.id)
-    return ".".join(reversed(parts))
 
 
 def static_scan(source: str, reference_path: str | None = None) -> list[tuple[str, str]]:
@@ -77,7 +75,9 @@ def static_scan(source: str, reference_path: str | None = None) -> list[tuple[st
                             add("reference_access" if a.name in ("modules", "_getframe", "_current_frames")
                                 else "global_state_changed", f"from sys import {a.name}")
         elif isinstance(node, ast.Attribute):
-            d = _dotted(node)
+            d = dotted(node)
+            if node.attr in _REACH_ATTRS:
+                add("reference_access", d or node.attr)
             if node.attr in _REF_ATTRS and node.attr not in ("stack", "trace"):
                 add("reference_access", d or node.attr)
             if node.attr in ("stack", "trace") and d.startswith("inspect."):
@@ -101,7 +101,7 @@ def static_scan(source: str, reference_path: str | None = None) -> list[tuple[st
             for tok in _REF_ATTRS - {"stack", "trace"}:
                 if s == tok:
                     add("reference_access", f"string {s!r}")
-            if s in ("modules", "ctypes", "gc"):
+            if s in ("modules", "ctypes", "gc", "importlib") or s in _REACH_ATTRS or "drkernel" in s:
                 add("reference_access", f"string {s!r}")
             if s in _PATCH_STRINGS or s.startswith("aten::"):
                 add("patched_function", f"string {s!r}")
@@ -113,7 +113,16 @@ def static_scan(source: str, reference_path: str | None = None) -> list[tuple[st
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
                 "exec", "eval", "compile"):
             add("reference_access", f"calls {node.func.id}()")
+        elif _dynamic_attribute(node):
+            add("reference_access", f"{node.func.id}() with an attribute name built at run time")
     return found
+
+
+def _dynamic_attribute(node: ast.AST) -> bool:
+    """`getattr(x, "a" + "b")` and the like: a name assembled so that no scan sees it."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2
+            and isinstance(node.args[1], (ast.BinOp, ast.JoinedStr, ast.Call, ast.Subscript)))
 
 
 # --------------------------------------------------------------------------------------
@@ -190,6 +199,13 @@ _VOLATILE = {"sys": {"last_type", "last_value", "last_traceback", "last_exc", "s
              "threading": {"_active", "_limbo", "_dangling", "_shutdown_locks", "_counter"}}
 
 
+def own_attribute(owner: Any, attr: str) -> Any:
+    """`owner`'s own entry for `attr`, as stored (a classmethod stays one object; `getattr` would
+    make a new bound method each time)."""
+    d = getattr(owner, "__dict__", None)
+    return d.get(attr) if isinstance(d, Mapping) else getattr(owner, attr, None)
+
+
 def _vars(obj: Any) -> dict:
     try:
         return dict(vars(obj))
@@ -207,7 +223,7 @@ class IntegritySnapshot:
         self.modules = {n: sys.modules.get(n) for n in _MODULE_NAMES}
         self.builtins_obj = builtins.__dict__
         self.extra = dict(extra or {})  # name -> (owner, attr): e.g. our launch hook
-        self.extra_ids = {k: getattr(o, a, None) for k, (o, a) in self.extra.items()}
+        self.extra_ids = {k: own_attribute(o, a) for k, (o, a) in self.extra.items()}
         self.state = global_state()
         self.hooks = _global_hook_counts()
 
@@ -233,7 +249,7 @@ class IntegritySnapshot:
             if sys.modules.get(n) is not m:
                 found.append(f"sys.modules[{n!r}] replaced")
         for k, (o, a) in self.extra.items():
-            if getattr(o, a, None) is not self.extra_ids[k]:
+            if own_attribute(o, a) is not self.extra_ids[k]:
                 found.append(f"{k} replaced")
         hooks = _global_hook_counts()
         for k, v in hooks.items():
@@ -304,11 +320,6 @@ def global_state() -> dict[str, Any]:
 
 
 def python_threads() -> set[int]:
-    return {t.ident for t in threading.enumerate() if t.ident is not None}
-
-
-def native_threads() -> int | None:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return None
+    """Every thread that runs Python code, including those started with `_thread` (which
+    `threading.enumerate` does not list)."""
+    return set(sys._current_frames())

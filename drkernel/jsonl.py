@@ -1,17 +1,19 @@
 """Strict, resumable JSON Lines: the row files of generate.py and evaluate.py, and the summaries.
 
-A run may be killed mid-write, so readers skip (and count) a line that is not a complete JSON
-object, and a writer that appends to such a file first ends the cut line, so that the next row
-is not glued to it. Values are written as strict JSON: NaN and ±inf become null.
+A run may be killed mid-write, so readers skip a line that is not a complete JSON object
+(`read_jsonl` counts them, `iter_jsonl` reports each with its line number), and a writer that
+appends to such a file first ends the cut line, so that the next row is not glued to it.
+Values are written as strict JSON: NaN and ±inf become null.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def json_safe(obj: Any) -> Any:
@@ -29,25 +31,47 @@ def dumps(obj: Any, **kwargs) -> str:
     return json.dumps(json_safe(obj), allow_nan=False, default=repr, **kwargs)
 
 
-def read_jsonl(path: str | os.PathLike) -> tuple[list[dict], int]:
-    """(rows, unreadable lines): only JSON objects count as rows."""
-    rows, bad = [], 0
+@dataclasses.dataclass(frozen=True)
+class JsonlLine:
+    """One non-blank line of a JSONL file: its number (1-based) and the object it holds, or
+    (`row` None) why it holds none."""
+
+    lineno: int
+    row: dict | None
+    error: str = ""
+
+
+def _parse_line(lineno: int, raw: bytes) -> JsonlLine:
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return JsonlLine(lineno, None, f"not UTF-8 text (byte {exc.start + 1})")
+    except json.JSONDecodeError as exc:
+        return JsonlLine(lineno, None, f"not a JSON object ({exc.msg}: column {exc.colno})")
+    except RecursionError:  # e.g. thousands of nested brackets
+        return JsonlLine(lineno, None, "not a JSON object (nested too deeply)")
+    if not isinstance(row, dict):
+        return JsonlLine(lineno, None, "not a JSON object")
+    return JsonlLine(lineno, row)
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[JsonlLine]:
+    """Every non-blank line of `path`, good or bad, in order (nothing when the file does not
+    exist; OSError when it cannot be read). Lines end at \\n, \\r\\n or \\r only, and each is
+    decoded on its own, so one bad line never hides the next."""
     path = Path(path)
     if not path.exists():
-        return rows, bad
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            bad += 1
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        else:
-            bad += 1
-    return rows, bad
+        return
+    for lineno, raw in enumerate(path.read_bytes().splitlines(), 1):
+        if raw.strip():
+            yield _parse_line(lineno, raw)
+
+
+def read_jsonl(path: str | os.PathLike) -> tuple[list[dict], int]:
+    """(rows, unreadable lines): only JSON objects count as rows."""
+    lines = list(iter_jsonl(path))
+    rows = [line.row for line in lines if line.row is not None]
+    return rows, len(lines) - len(rows)
 
 
 class JsonlWriter:

@@ -1,90 +1,101 @@
-"""The judge: decides the verdict, hack codes and speedup, and never imports candidate code.
+"""The judge: decides verdicts, hack codes and speedups, and never imports candidate code.
 
-It runs as a sandbox job (`drkernel.sandbox`) whose zygote also started a runner
-(`drkernel.runner`) for it: the judge builds the reference, makes every input, writes it into
-the shared arena, asks the runner to call the candidate, and checks what comes back in its own
-slots against the reference it computed itself. The phases, one function each, share a `Judge`:
+It runs as a sandbox job (`drkernel.sandbox`) whose zygote also forked, for it, a **reference
+twin** (a runner that imports only the reference) and one **runner** per candidate of the group
+(all candidates of one job share one reference). The judge builds the reference, makes every
+input, writes it into the shared arena, asks the runners to call their model, and checks what
+comes back in its own slots against the reference it computed itself. Reference and candidate are
+timed the same way: each in a process of the same kind, confined the same way, answering the same
+requests (`drkernel.channel`), timed by the same code, pinned to the same core.
+
+Once per group (`Reference`), in order:
 
 1. `setup`: device, true fp32, the reference imported and built once (a never-run template from
-   which every later reference is copied), the output layout;
-2. `attach_runner`: the arena shared, the runner confined (its report in `details.confinement`);
-3. `time_reference_alone`: the reference timed before any candidate code exists (guard against a
-   candidate that slows the reference) and the device copy bandwidth (roofline);
-4. `calibrate`: trusted null calls through the runner give the judge's clock overhead per call;
-5. `load_candidate`: the runner imports the candidate and builds `ModelNew`;
-6. `check_correctness`: trials on fresh uniform and signed-normal inputs;
-7. `time_interleaved`: reference (here) and candidate (there) in alternating blocks; runner
-   CUDA-event times count only when they agree with this process's clock over the same calls,
-   and outputs of calls picked afterwards are checked;
-8. `profile`: the Triton share of device time (reported by the runner);
-9. `check_decoy`: the candidate once more with its Triton launches turned into no-ops;
-10. `final`: the runner's last integrity report.
+   which every later reference is copied), the output layout, GPU memory and lock;
+2. `start_twin`: the twin attached to the arena and confined;
+3. `calibrate`: trusted null calls through the twin give the judge's clock overhead per call;
+4. `load_twin`: the twin builds the reference model (compiled when `baseline` is compile: the
+   compile happens here, outside any timing);
+5. `time_reference_alone`: the twin timed before any candidate code exists (guard against a
+   candidate that slows the reference) and the device copy bandwidth (roofline).
 
-On a GPU shared by several evaluations (`sandbox.DeviceLock`), phases 3-4 and 7-8 each run in
-one hold of the GPU alone (a job waits for the GPU twice, not once per phase); every other piece
-of GPU work holds it shared, one short burst at a time. A phase ends the evaluation by raising
-`Stop` (a plain verdict) or `Hacked`.
+Then per candidate (`Judge`), in order:
+
+6. `attach_runner`: its runner attached to the arena and confined, its evidence machinery described;
+7. `load_candidate`: the runner imports the candidate and builds `ModelNew`;
+8. `check_correctness`: trials on fresh uniform and signed-normal inputs, each with the runner's
+   data-flow log (which of its Triton launches the output needs);
+9. `time_interleaved`: twin and runner called in turn on the same inputs; the runner's CUDA-event
+   times count only when they agree with this process's clock, and outputs of calls picked
+   afterwards are checked;
+10. `profile`: the runner's kernel trace, classified here by the kernels the candidate's source
+   declares and weighed by the data flow (the Triton share of useful device time);
+11. `check_decoy`: the candidate once more with its Triton launches made over empty grids;
+12. `final`: the runner's last integrity report; the runner is then killed.
+
+On a GPU shared by several evaluations (`gpushare.DeviceLock`) the phases in a tuple of `GROUP`
+and `CANDIDATE` run in one hold of the GPU alone, which starts only once the GPU is idle; every
+other request holds it shared. A phase ends a candidate's evaluation by raising `Stop` (a plain
+verdict) or `Hacked`; a failure of the group's own phases ends every candidate's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
 import json
 import os
 import random
-import signal
+import shutil
 import time
 import traceback
 from typing import Any
 
-from drkernel import compare, ipc
+from drkernel import compare, dataflow, ipc, procfs, profiling, triton_source
+from drkernel.channel import Channel, Hacked, Stop, exception_text, runner_error, short
+from drkernel.evaltypes import HACK_CODES, EvalConfig, EvalResult, config_from_dict
 
 _perf = time.perf_counter
-
-
-class Stop(Exception):
-    """A final non-hack verdict."""
-
-    def __init__(self, verdict: str, error: str):
-        super().__init__(error)
-        self.verdict, self.error = verdict, error
-
-
-class Hacked(Exception):
-    def __init__(self, code: str, detail: str):
-        super().__init__(detail)
-        self.code, self.detail = code, detail
+_CACHE_BYTES = 2**30  # reference outputs kept per group for later candidates' trials
 
 
 @dataclasses.dataclass
 class Call:
-    """One candidate call as the judge saw it: the runner's reply, the judge's own seconds, the inputs."""
+    """One call through a runner as the judge saw it: the reply, the judge's own milliseconds,
+    the inputs, and the output as committed when the reply came (a copy, where kept)."""
     reply: dict
     wall_ms: float
     inputs: list
+    output: Any = None
 
 
 @dataclasses.dataclass
-class Judge:
-    """What the phases share."""
-    cfg: dict
-    sock: int
-    runner_pid: int
-    runner_dir: str
+class Flow:
+    """What the data-flow logs of the checked calls said, per candidate kernel name."""
+    launches: dict[str, int] = dataclasses.field(default_factory=dict)
+    needed: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def fractions(self) -> dict[str, float]:
+        return {k: self.needed.get(k, 0) / n for k, n in self.launches.items() if n}
+
+
+@dataclasses.dataclass
+class Reference:
+    """What every candidate of a group is judged against, built once."""
+    cfg: EvalConfig
     reference_path: str
-    candidate_path: str
-    out: dict = dataclasses.field(default_factory=lambda: {"compiled": False, "hacks": [], "details": {},
-                                                            "trials": 0, "trials_passed": 0})
+    twin: Channel
+    details: dict = dataclasses.field(default_factory=dict)  # the group's own, copied into each result
     device: Any = None
     seed: int = 0
     perf_n: int = 1
-    deadline: float = 0.0
     ref_mod: Any = None
     template: Any = None
     layout: ipc.Layout | None = None
     arena: Any = None
+    handle: dict = dataclasses.field(default_factory=dict)  # what lets a runner map the arena
     in_views: list = dataclasses.field(default_factory=list)
     out_views: list = dataclasses.field(default_factory=list)
     flush: Any = None
@@ -94,28 +105,61 @@ class Judge:
     ref_alone_ms: float = 0.0
     bandwidth: float | None = None
     overhead_ms: float = 0.0
-    kernels: set = dataclasses.field(default_factory=set)
-    output_from_kernels: bool = True  # every checked call's output was passed to a candidate launch
+    outputs: dict = dataclasses.field(default_factory=dict)  # (seed, signed) -> the reference's output
+    cached_bytes: int = 0
     clock: float = 0.0
-    gpu: Any = None  # sandbox.DeviceLock of this GPU
-    memory: Any = None  # sandbox.MemoryLedger of this GPU, holding this job's estimate
+    gpu: Any = None  # gpushare.DeviceLock of this GPU
+    memory: Any = None  # gpushare.MemoryLedger of this GPU, holding this job's estimate
+    core: int | None = None  # the CPU core both timed processes run on while measured
     exclusive: bool = False  # hold the GPU alone for the whole job (a retry after out-of-memory)
     defer: bool = False  # give the job back at once when its GPU memory does not fit (the caller requeues it)
-
-    @property
-    def details(self) -> dict:
-        return self.out["details"]
 
     @property
     def cuda(self) -> bool:
         return self.device.type == "cuda"
 
+    def mark(self, phase: str, details: dict | None = None) -> None:
+        """The seconds since the last mark, as `phase_s[phase]`; on a GPU the phase's peak memory."""
+        details = self.details if details is None else details
+        now = _perf()
+        details.setdefault("phase_s", {})[phase] = round(now - self.clock, 4)
+        self.clock = now
+        if self.memory is not None:  # each phase's peak GPU memory here, to check `memory_estimate` against
+            import torch
+            peak = torch.cuda.max_memory_reserved(self.device)
+            details.setdefault("memory_peak_gib_by_phase", {})[phase] = round(peak / 2**30, 2)
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+
+@dataclasses.dataclass
+class Judge:
+    """One candidate's evaluation against its group's `Reference`."""
+    ref: Reference
+    runner: Channel
+    candidate_path: str
+    out: EvalResult = dataclasses.field(default_factory=EvalResult)
+    kernels: dict[str, triton_source.Kernel] = dataclasses.field(default_factory=dict)  # from the source
+    launched: set = dataclasses.field(default_factory=set)  # the candidate's kernels seen launching
+    flow: Flow = dataclasses.field(default_factory=Flow)
+
+    @property
+    def cfg(self) -> EvalConfig:
+        return self.ref.cfg
+
+    @property
+    def details(self) -> dict:
+        return self.out.details
+
     def hack(self, code: str, detail: str, stop: bool = True) -> None:
-        if code not in self.out["hacks"]:
-            self.out["hacks"].append(code)
+        if code not in self.out.hacks:
+            self.out.hacks.append(code)
         self.details.setdefault("hack_details", []).append(f"{code}: {detail}")
         if stop:
             raise Hacked(code, detail)
+
+    def raise_hacks(self) -> None:
+        if self.out.hacks:
+            raise Hacked(self.out.hacks[-1], self.details["hack_details"][-1])
 
     def spend(self, part: str, since: float) -> float:
         """Add the seconds since `since` to `details.split_s[part]` (where the job's time goes by
@@ -126,26 +170,11 @@ class Judge:
         return now
 
     def mark(self, phase: str) -> None:
-        now = _perf()
-        self.details.setdefault("phase_s", {})[phase] = round(now - self.clock, 4)
-        self.clock = now
-        if self.memory is not None:  # each phase's peak GPU memory here, to check `memory_estimate` against
-            import torch
-            peak = torch.cuda.max_memory_reserved(self.device)
-            self.details.setdefault("memory_peak_gib_by_phase", {})[phase] = round(peak / 2**30, 2)
-            torch.cuda.reset_peak_memory_stats(self.device)
-
-    def ask(self, msg: dict) -> dict:
-        """One request to the runner; its death or silence ends the evaluation."""
-        try:
-            ipc.send(self.sock, msg)
-            return ipc.recv(self.sock, self.deadline)
-        except (OSError, ipc.ChannelClosed) as exc:
-            raise _runner_gone(self, exc) from None
+        self.ref.mark(phase, self.details)
 
 
 # ======================================================================================
-# Helpers
+# Inputs, references, calls
 # ======================================================================================
 
 def _sync(device) -> None:
@@ -154,21 +183,24 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def gen_inputs(j: Judge, seed: int, signed: bool = False) -> list:
+def gen_inputs(r: Reference, seed: int, signed: bool = False) -> list:
     """The reference's `get_inputs()` under `seed`, on the device; float inputs replaced by
     signed standard normals when `signed` (KernelBench draws uniform [0, 1) inputs, on which
     ReLU(x) = x and other shortcuts pass)."""
     import torch
     torch.manual_seed(seed)
-    if j.cuda:
-        torch.cuda.manual_seed_all(seed)
-        with torch.device(j.device):
-            inputs = list(j.ref_mod.get_inputs())
-    else:
-        inputs = list(j.ref_mod.get_inputs())
-    inputs = compare.map_tensors(inputs, lambda t: t.to(j.device))
+    try:
+        if r.cuda:
+            torch.cuda.manual_seed_all(seed)
+            with torch.device(r.device):
+                inputs = list(r.ref_mod.get_inputs())
+        else:
+            inputs = list(r.ref_mod.get_inputs())
+    except Exception as exc:
+        raise Stop("reference_error", exception_text("the reference's get_inputs() failed", exc)) from None
+    inputs = compare.map_tensors(inputs, lambda t: t.to(r.device))
     if signed:
-        _redraw_signed(inputs, torch.Generator(device=j.device).manual_seed(seed + 7919))
+        _redraw_signed(inputs, torch.Generator(device=r.device).manual_seed(seed + 7919))
     return inputs
 
 
@@ -176,9 +208,6 @@ def _redraw_signed(inputs: list, g) -> None:
     """Float tensors replaced, in order, by standard normals; each top-level one is let go before
     its replacement is drawn, so that multi-GB inputs are never held twice."""
     import torch
-
-    def draw(t):
-        return torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=g) if t.is_floating_point() else t
     for i in range(len(inputs)):
         item, inputs[i] = inputs[i], None
         if isinstance(item, torch.Tensor) and item.is_floating_point():
@@ -186,51 +215,48 @@ def _redraw_signed(inputs: list, g) -> None:
             item = None
             inputs[i] = torch.randn(shape, dtype=dtype, device=device, generator=g)
         else:  # integers, integer tensors, nested structures
-            inputs[i] = compare.map_tensors(item, draw)
+            inputs[i] = compare.map_tensors(item, lambda t: torch.randn(
+                t.shape, dtype=t.dtype, device=t.device, generator=g) if t.is_floating_point() else t)
 
 
 def _clone(obj):
     return compare.map_tensors(obj, lambda t: t.detach().clone())
 
 
-def new_reference(j: Judge):
-    """A fresh copy of the never-run template (building a KernelBench model can take 0.6 s)."""
-    try:
-        return copy.deepcopy(j.template)
-    except Exception:
-        return _build_reference(j)
-
-
-def _build_reference(j: Judge):
+def _build_reference(r: Reference):
     from drkernel.runner import build_model, init_inputs
-    return build_model(j.ref_mod.Model, init_inputs(j.ref_mod, j.seed), j.seed, j.device)
+    return build_model(r.ref_mod.Model, init_inputs(r.ref_mod, r.seed), r.seed, r.device)
 
 
-def run_reference(j: Judge, inputs: list):
+def run_reference(r: Reference, inputs: list):
+    """The reference's output on `inputs`, from a fresh copy of the never-run template."""
     import torch
-    with torch.no_grad():
-        out = new_reference(j)(*inputs)
-    _sync(j.device)
+    try:
+        with torch.no_grad():
+            out = copy.deepcopy(r.template)(*inputs)
+        _sync(r.device)
+    except Exception as exc:
+        raise Stop("reference_error", exception_text("the reference failed", exc)) from None
     return out
 
 
-def reference_inputs(j: Judge, inputs: list) -> list:
+def reference_inputs(r: Reference, inputs: list) -> list:
     """What the reference may run on: `inputs` themselves, or a copy where the reference writes
     into its inputs (they are compared with the candidate's afterwards)."""
-    return _clone(inputs) if j.ref_mutates else inputs
+    return _clone(inputs) if r.ref_mutates else inputs
 
 
-def _first_reference_run(j: Judge, inputs: list) -> tuple[Any, bool]:
-    """The reference's output, and whether it writes into its inputs: an in-place op bumps a
-    tensor's version counter even where it leaves the values as they were (ReLU on uniform
-    inputs), and the values catch what bypasses the counter."""
-    import torch
-    ts = compare.tensors(inputs)
-    before, copies = [t._version for t in ts], [t.detach().clone() for t in ts]
-    with torch.no_grad():
-        out = new_reference(j)(*inputs)
-    _sync(j.device)
-    return out, any(t._version != v or not compare.same_values(t, c) for t, v, c in zip(ts, before, copies))
+def reference_output(r: Reference, key: tuple[int, bool], inputs: list) -> tuple[Any, list]:
+    """The reference's output for a trial, and its inputs after the run. Outputs of a reference
+    that leaves its inputs alone are kept for the group's later candidates while they are small."""
+    if key in r.outputs:
+        return r.outputs[key], inputs
+    ref_in = reference_inputs(r, inputs)
+    out = run_reference(r, ref_in)
+    size = compare.nbytes(compare.tensors(out))
+    if not r.ref_mutates and r.cached_bytes + size <= _CACHE_BYTES:
+        r.outputs[key], r.cached_bytes = out, r.cached_bytes + size
+    return out, ref_in
 
 
 def median(xs: list[float]) -> float:
@@ -239,6 +265,237 @@ def median(xs: list[float]) -> float:
     if n == 0:
         return float("nan")
     return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def _poison_slots(r: Reference) -> None:
+    """Slots hold NaN (or an integer sentinel) until a runner commits: an answer not written
+    when the runner replies is never mistaken for a correct one."""
+    import torch
+    for v in r.out_views:
+        if v.is_floating_point() or v.is_complex():
+            v.fill_(float("nan"))
+        elif v.dtype == torch.bool:
+            v.fill_(True)
+        else:
+            v.fill_(torch.iinfo(v.dtype).max)
+
+
+def _write_inputs(r: Reference, inputs: list) -> None:
+    for view, t in zip(r.in_views, inputs):
+        if view is not None:
+            view.copy_(t)
+
+
+def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = False, keep: bool = False) -> Call:
+    """Fresh inputs into the arena, slots poisoned, L2 flushed; then one call, timed by this clock.
+    With `keep`, the committed output is copied the moment the reply arrives (the runner is
+    stopped by then; a write that lands later never counts)."""
+    inputs = gen_inputs(r, seed, signed)
+    _write_inputs(r, inputs)
+    _poison_slots(r)
+    if r.flush is not None:
+        r.flush.fill_(float(seed % 7))
+    _sync(r.device)
+    t0 = _perf()
+    reply = channel.ask({"op": "call", "mode": mode})
+    wall = (_perf() - t0) * 1e3
+    if "error" in reply:
+        raise runner_error(reply, "forward raised")
+    c = Call(reply=reply, wall_ms=wall, inputs=inputs)
+    if keep:
+        c.output = _clone(committed(r, c))
+    return c
+
+
+def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False, keep: bool = False) -> Call:
+    t = _perf()
+    c = call(j.ref, j.runner, seed, mode, signed, keep)
+    j.spend("candidate", t)
+    return c
+
+
+def committed(r: Reference, c: Call):
+    """The output the runner committed, in the reference's structure: views of the slots, valid
+    until the next call rewrites them."""
+    if "mismatch" in c.reply:
+        return None
+    if not r.out_views:
+        return c.reply.get("value")
+    ts = list(r.out_views)
+    return ts[0] if r.details["output_structure"] == "T" else _rebuild(r.details["output_structure"], iter(ts))
+
+
+def _rebuild(struct, ts):
+    if struct == "T":
+        return next(ts)
+    if isinstance(struct, list) and len(struct) == 2 and struct[0] in ("tuple", "list"):
+        items = [_rebuild(s, ts) for s in struct[1]]
+        return tuple(items) if struct[0] == "tuple" else items
+    if isinstance(struct, list) and len(struct) == 2 and struct[0] == "dict":
+        return {k: _rebuild(s, ts) for k, s in struct[1]}
+    return None
+
+
+def verify(j: Judge, c: Call, label: str, code: str = "output_cached") -> None:
+    """The output a call committed (copied at its reply) against the reference on the same inputs."""
+    t = _perf()
+    ref = run_reference(j.ref, reference_inputs(j.ref, c.inputs))
+    cmp = compare.compare(c.output, ref, j.cfg) if c.output is not None else compare.Match(
+        False, str(c.reply.get("mismatch")))
+    j.spend("verify", t)
+    if not cmp.ok:
+        j.hack(code, f"{label}: the output is stale or wrong for its fresh inputs ({cmp.why})")
+
+
+# ======================================================================================
+# Group phases
+# ======================================================================================
+
+def setup(r: Reference) -> None:
+    import torch
+    dev = r.cfg.device
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    r.device = torch.device(dev)
+    if r.cuda:
+        if not torch.cuda.is_available():
+            raise Stop("runtime_error", "CUDA requested but not available")
+        if r.device.index is None:
+            r.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(r.device)
+    r.seed = r.cfg.seed
+    r.perf_n = r.cfg.perf_trials if r.cuda else r.cfg.cpu_perf_trials
+    _init_runner(r, r.twin, os.path.join(r.twin.dir, "reference.py"))  # CUDA starts there meanwhile
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    try:
+        from drkernel.runner import import_file
+        r.ref_mod = import_file(r.reference_path, "_drk_judge_reference")
+    except Exception as exc:
+        raise Stop("reference_error", exception_text("the reference failed to import", exc)) from None
+    if r.cuda:  # memory first: waiting for it while holding the GPU lock could deadlock
+        _warm_up_comparisons(r)
+        _reserve_memory(r)
+        _lock_gpu(r)
+    with _shared(r):
+        try:
+            r.template = _build_reference(r)
+        except Exception as exc:
+            raise Stop("reference_error", exception_text("the reference failed to build", exc)) from None
+        warm = gen_inputs(r, r.seed)
+        ref_out, r.ref_mutates = _first_reference_run(r, warm)
+    _plan_arena(r, warm, ref_out)
+    r.mark("setup")
+
+
+def _init_runner(r: Reference, channel: Channel, candidate: str) -> None:
+    """`init` sent; the runner starts CUDA and imports the reference while the judge works on."""
+    channel.send({"op": "init", "device": str(r.device), "seed": r.seed,
+                  "reference": os.path.join(channel.dir, "reference.py"), "candidate": candidate})
+
+
+def _first_reference_run(r: Reference, inputs: list) -> tuple[Any, bool]:
+    """The reference's output, and whether it writes into its inputs: an in-place op bumps a
+    tensor's version counter even where it leaves the values as they were (ReLU on uniform
+    inputs), and the values catch what bypasses the counter."""
+    ts = compare.tensors(inputs)
+    before, copies = [t._version for t in ts], [t.detach().clone() for t in ts]
+    out = run_reference(r, inputs)
+    return out, any(t._version != v or not compare.same_values(t, c) for t, v, c in zip(ts, before, copies))
+
+
+def _plan_arena(r: Reference, warm: list, ref_out) -> None:
+    import torch
+    r.io_bytes = compare.nbytes(compare.tensors(warm)) + compare.nbytes(compare.tensors(ref_out))
+    r.ref_aliases = compare.overlap(compare.ranges(compare.tensors(ref_out)), compare.ranges(compare.tensors(warm)))
+    r.layout = ipc.plan(warm, compare.tensors(ref_out))
+    r.details["output_structure"] = json.loads(json.dumps(compare.structure(ref_out), default=str))
+    if r.cuda and r.cfg.l2_flush:
+        r.flush = torch.empty(2**26, dtype=torch.float32, device=r.device)  # 256 MB, more than L2
+    r.arena, r.handle = ipc.allocate(r.layout, r.device, os.path.dirname(r.twin.dir))
+    r.in_views = [ipc.view(r.arena, s) if s else None for s in r.layout.inputs]
+    r.out_views = [ipc.view(r.arena, s) for s in r.layout.outputs]
+
+
+def _attach(r: Reference, channel: Channel) -> dict:
+    """The runner's answer to `init`, then the arena attached and the runner confined; its
+    evidence machinery as described before any candidate code exists."""
+    from drkernel.confine import hidden_dirs
+    reply = channel.receive()
+    if "error" in reply:
+        raise Stop("runtime_error", f"the runner could not start: {str(reply['error'])[:600]}")
+    reply = channel.ask({"op": "attach", "handle": r.handle, "layout": r.layout.to_dict(),
+                         "structure": r.details["output_structure"],
+                         "hidden": hidden_dirs(os.path.dirname(channel.dir))})
+    if "error" in reply:
+        raise Stop("runtime_error", f"the runner could not attach: {str(reply['error'])[:600]}")
+    conf = reply.get("confinement") if isinstance(reply.get("confinement"), dict) else {}
+    if r.cfg.require_confinement and not conf.get("complete"):
+        raise Stop("runtime_error", "refused: the runner could not be confined "
+                                    f"({'; '.join(map(str, conf.get('errors') or [])) or 'incomplete'}); "
+                                    "require_confinement=false evaluates without it (trusted code only)")
+    channel.evidence_state = str(reply.get("evidence_state") or "")
+    channel.threads_before = len(procfs.tids(channel.pid))
+    return conf
+
+
+def start_twin(r: Reference) -> None:
+    """The reference twin: attached, calibrated (before it holds any model) and loaded."""
+    r.details["confinement"] = _attach(r, r.twin)
+    r.mark("start_twin")
+
+
+def calibrate(r: Reference) -> None:
+    """Null calls through the twin (a runner of the same kind as the candidates', holding no model
+    yet): what the judge's clock adds to a runner's own time per call (messages, the commit copy,
+    the sync, stopping it)."""
+    r.overhead_ms = median([_residual_ms(r, r.seed + 900000 + i) for i in range(10 if r.cuda else 3)])
+    r.details["clock_overhead_ms"] = r.overhead_ms
+    r.mark("calibrate")
+
+
+def _residual_ms(r: Reference, seed: int) -> float:
+    """The judge's time for one null call minus the runner's."""
+    c = call(r, r.twin, seed, "null")
+    ms = ipc.number(c.reply, "ms")
+    if ms is None:
+        raise Stop("runtime_error", "the twin's calibration call returned no time")
+    return c.wall_ms - ms
+
+
+def load_twin(r: Reference) -> None:
+    """The twin builds the reference model (compiled when `baseline` is compile) and runs it a few
+    times: a compile happens here, outside any timing and any hold of the GPU alone."""
+    with _shared(r):
+        reply = r.twin.ask({"op": "load", "cls": "Model", "compile": r.cfg.baseline == "compile"})
+        if "error" in reply:
+            raise Stop("reference_error", "the reference failed in its timing process: " + str(reply["error"])[:600])
+        for i in range(max(1, r.cfg.warmup)):
+            call(r, r.twin, r.seed + 200000 + i, "warm")
+    r.mark("load_twin")
+
+
+def time_reference_alone(r: Reference) -> None:
+    with _pinned(r, r.twin):
+        n = max(1, min(r.perf_n, r.cfg.ref_isolated_trials))
+        r.ref_alone_ms = median([_twin_ms(r, r.seed + 100000 + i) for i in range(n)])
+    r.bandwidth = _copy_bandwidth(r.device) if r.cuda else None
+    r.details["ref_ms_isolated"] = r.ref_alone_ms
+    r.details["io_bytes"] = r.io_bytes
+    if r.cuda:
+        r.details["copy_bandwidth_gbs"] = r.bandwidth / 1e6 if r.bandwidth else None
+        if r.bandwidth and r.ref_alone_ms > 0:  # torch's own kernels can beat a plain copy
+            r.bandwidth = max(r.bandwidth, r.io_bytes / r.ref_alone_ms)
+    r.mark("reference_alone")
+
+
+def _twin_ms(r: Reference, seed: int) -> float:
+    """One timed reference call in the twin (trusted: it never runs candidate code)."""
+    ms = ipc.number(call(r, r.twin, seed, "time").reply, "ms")
+    if ms is None:
+        raise Stop("runtime_error", "the reference's timing process returned no time")
+    return ms
 
 
 def _copy_bandwidth(device) -> float | None:
@@ -256,312 +513,114 @@ def _copy_bandwidth(device) -> float | None:
         ms = s.elapsed_time(e)
         if ms > 0:
             best = max(best or 0.0, 2 * src.numel() * 4 / ms)
+    del src, dst
+    torch.cuda.empty_cache()  # 2 GiB cached would be split by later temporaries
     return best
 
 
-def _short(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n // 2] + "\n...[truncated]...\n" + text[-n // 2:]
-
-
-def _exc_error(prefix: str, exc: BaseException) -> str:
-    msg = f"{type(exc).__name__}: {exc}"
-    if "CUDA error" in msg or "illegal memory access" in msg or "device-side assert" in msg:
-        return "CUDA error: " + _short(msg, 400)
-    return _short(f"{prefix}: {msg}", 600)
-
-
-def _runner_gone(j: Judge, exc: BaseException) -> Stop:
-    """The runner died or stopped answering: a crash (how, from /proc while it is a zombie) or a timeout."""
-    if isinstance(exc, ipc.ChannelClosed) and "in time" in str(exc):
-        return Stop("timeout", "the candidate did not answer before the time limit")
-    how = "exited"
-    try:
-        with open(f"/proc/{j.runner_pid}/stat", "rb") as fh:
-            status = int(fh.read().rsplit(b")", 1)[1].split()[49])  # exit_code, readable while a zombie
-        if os.WIFSIGNALED(status):
-            how = f"was killed by {signal.Signals(os.WTERMSIG(status)).name}"
-        elif os.WIFEXITED(status):
-            how = f"exited with code {os.WEXITSTATUS(status)} (os._exit?)"
-    except (OSError, ValueError, IndexError):
-        pass
-    return Stop("crashed", f"the candidate's process {how} without a result ({exc})")
-
-
-def _runner_error(reply: dict, what: str) -> Stop:
-    err = str(reply.get("error", ""))[:1500]
-    if "CUDA error" in err or "illegal memory" in err or "device-side assert" in err:
-        return Stop("runtime_error", "CUDA error: " + err[:600])
-    return Stop("runtime_error", f"{what}: {err}")
-
-
 # ======================================================================================
-# Candidate calls through the runner
+# Candidate phases
 # ======================================================================================
-
-def _poison_slots(j: Judge) -> None:
-    """Slots hold NaN (or an integer sentinel) until the runner commits: an answer not written
-    when the runner replies is never mistaken for a correct one."""
-    import torch
-    for v in j.out_views:
-        if v.is_floating_point() or v.is_complex():
-            v.fill_(float("nan"))
-        elif v.dtype == torch.bool:
-            v.fill_(True)
-        else:
-            v.fill_(torch.iinfo(v.dtype).max)
-
-
-def _write_inputs(j: Judge, inputs: list) -> None:
-    for view, t in zip(j.in_views, inputs):
-        if view is not None:
-            view.copy_(t)
-
-
-def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False) -> Call:
-    """Fresh inputs into the arena, slots poisoned, L2 flushed; then one call, timed by this clock."""
-    t = _perf()
-    inputs = gen_inputs(j, seed, signed)
-    _write_inputs(j, inputs)
-    _poison_slots(j)
-    if j.flush is not None:
-        j.flush.fill_(float(seed % 7))
-    _sync(j.device)
-    t0 = j.spend("inputs", t)
-    reply = j.ask({"op": "call", "mode": mode})
-    wall = (_perf() - t0) * 1e3
-    j.spend("candidate", t0)
-    if "error" in reply:
-        raise _runner_error(reply, "forward raised")
-    return Call(reply=reply, wall_ms=wall, inputs=inputs)
-
-
-def committed(j: Judge, call: Call):
-    """The output the runner committed, in the reference's structure: views of the slots, read
-    before the next call rewrites them (a copy would cost another output's worth of memory)."""
-    if "mismatch" in call.reply:
-        return None
-    if not j.out_views:
-        return call.reply.get("value")
-    ts = list(j.out_views)
-    return ts[0] if j.details["output_structure"] == "T" else _rebuild(j.details["output_structure"], iter(ts))
-
-
-def _rebuild(struct, ts):
-    if struct == "T":
-        return next(ts)
-    if isinstance(struct, list) and len(struct) == 2 and struct[0] in ("tuple", "list"):
-        items = [_rebuild(s, ts) for s in struct[1]]
-        return tuple(items) if struct[0] == "tuple" else items
-    if isinstance(struct, list) and len(struct) == 2 and struct[0] == "dict":
-        return {k: _rebuild(s, ts) for k, s in struct[1]}
-    return None
-
-
-def verify(j: Judge, call: Call, label: str, code: str = "output_cached") -> None:
-    """The committed output of a call against the reference on the same inputs."""
-    t = _perf()
-    out = committed(j, call)
-    ref = run_reference(j, reference_inputs(j, call.inputs))
-    cmp = compare.compare(out, ref, j.cfg) if out is not None else {"ok": False, "why": call.reply["mismatch"]}
-    j.spend("verify", t)
-    if not cmp["ok"]:
-        j.hack(code, f"{label}: the output is stale or wrong for its fresh inputs ({cmp['why']})")
-
-
-# ======================================================================================
-# Phases
-# ======================================================================================
-
-def setup(j: Judge) -> None:
-    import torch
-    dev = str(j.cfg["device"])
-    if dev == "auto":
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    j.device = torch.device(dev)
-    if j.cuda:
-        if not torch.cuda.is_available():
-            raise Stop("runtime_error", "CUDA requested but not available")
-        if j.device.index is None:
-            j.device = torch.device("cuda", torch.cuda.current_device())
-        torch.cuda.set_device(j.device)
-    j.out["device"] = str(j.device)
-    j.details["config"] = dict(j.cfg)
-    j.out["timing"] = "cuda_events" if j.cuda else "cpu_wall"
-    j.seed = int(j.cfg["seed"])
-    j.perf_n = int(j.cfg["perf_trials"] if j.cuda else j.cfg["cpu_perf_trials"])
-    try:  # the runner initialises CUDA while the reference is built here; its answer is read on attach
-        ipc.send(j.sock, {"op": "init", "device": str(j.device), "seed": j.seed,
-                          "reference": os.path.join(j.runner_dir, "reference.py"),
-                          "candidate": os.path.join(j.runner_dir, os.path.basename(j.candidate_path))})
-    except OSError as exc:
-        raise _runner_gone(j, exc) from None
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    try:
-        from drkernel.runner import import_file
-        j.ref_mod = import_file(j.reference_path, "_drk_judge_reference")
-    except Exception as exc:
-        raise Stop("runtime_error", _exc_error("the reference failed", exc)) from None
-    if j.cuda:  # memory first: waiting for it while holding the GPU lock could deadlock
-        _warm_up_comparisons(j)
-        _reserve_memory(j)
-        _lock_gpu(j, alone=j.exclusive)
-    try:
-        with _shared(j):
-            j.template = _build_reference(j)
-            warm = gen_inputs(j, j.seed)
-            ref_out, j.ref_mutates = _first_reference_run(j, warm)
-    except Exception as exc:
-        raise Stop("runtime_error", _exc_error("the reference failed", exc)) from None
-    j.io_bytes = compare.nbytes(compare.tensors(warm)) + compare.nbytes(compare.tensors(ref_out))
-    j.ref_aliases = compare.overlap(compare.ranges(compare.tensors(ref_out)), compare.ranges(compare.tensors(warm)))
-    j.layout = ipc.plan(warm, compare.tensors(ref_out))
-    j.details["output_structure"] = json.loads(json.dumps(compare.structure(ref_out), default=str))
-    if j.cuda and j.cfg["l2_flush"]:
-        j.flush = torch.empty(2**26, dtype=torch.float32, device=j.device)  # 256 MB, more than L2
-    j.mark("setup")
-
-
-def _time_reference(j: Judge, seeds: list[int]) -> list[float]:
-    """The reference under the same protocol as the candidate: fresh inputs, L2 flush, events."""
-    model = new_reference(j)
-    return [_reference_ms(j, model, s) for s in seeds]
-
-
-def _reference_ms(j: Judge, model, seed: int) -> float:
-    """One timed reference call (its inputs and output are freed before the next call's are made)."""
-    import torch
-    inputs = gen_inputs(j, seed)
-    if j.flush is not None:
-        j.flush.fill_(float(seed % 7))
-    _sync(j.device)
-    with torch.no_grad():
-        if not j.cuda:
-            t0 = _perf()
-            model(*inputs)
-            return (_perf() - t0) * 1e3
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        model(*inputs)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-
-
-def time_reference_alone(j: Judge) -> None:
-    n = max(1, min(j.perf_n, int(j.cfg["ref_isolated_trials"])))
-    j.ref_alone_ms = median(_time_reference(j, [j.seed + 100000 + i for i in range(n)]))
-    j.bandwidth = _copy_bandwidth(j.device) if j.cuda else None
-    if j.cuda:
-        import torch
-        torch.cuda.empty_cache()  # the probe's 2 GiB, cached, would be split by later temporaries
-    j.details["ref_ms_isolated"] = j.ref_alone_ms
-    j.details["io_bytes"] = j.io_bytes
-    if j.cuda:
-        j.details["copy_bandwidth_gbs"] = j.bandwidth / 1e6 if j.bandwidth else None
-        if j.bandwidth and j.ref_alone_ms > 0:  # torch's own kernels can beat a plain copy
-            j.bandwidth = max(j.bandwidth, j.io_bytes / j.ref_alone_ms)
-    j.mark("reference_alone")
-
 
 def attach_runner(j: Judge) -> None:
-    try:
-        reply = ipc.recv(j.sock, j.deadline)  # the answer to `init`
-    except (OSError, ipc.ChannelClosed) as exc:
-        raise _runner_gone(j, exc) from None
-    if "error" in reply:
-        raise Stop("runtime_error", f"the runner could not start: {str(reply['error'])[:600]}")
-    j.arena, handle = ipc.allocate(j.layout, j.device, j.runner_dir)
-    j.in_views = [ipc.view(j.arena, s) if s else None for s in j.layout.inputs]
-    j.out_views = [ipc.view(j.arena, s) for s in j.layout.outputs]
-    reply = j.ask({"op": "attach", "handle": handle, "layout": j.layout.to_dict(),
-                   "structure": j.details["output_structure"]})
-    if "error" in reply:
-        raise Stop("runtime_error", f"the runner could not attach: {str(reply['error'])[:600]}")
-    conf = reply.get("confinement") if isinstance(reply.get("confinement"), dict) else {}
-    j.details["confinement"] = conf
-    if j.cfg["require_confinement"] and not conf.get("complete"):
-        raise Stop("runtime_error", "refused: the runner could not be confined "
-                                    f"({'; '.join(map(str, conf.get('errors') or [])) or 'incomplete'})")
+    j.details["confinement"] = _attach(j.ref, j.runner)
     j.mark("attach_runner")
-
-
-def calibrate(j: Judge) -> None:
-    """Null calls through the runner, which has run no candidate code yet: what the judge's clock
-    adds to the runner's own time per call (messages, the commit copy, the sync)."""
-    j.overhead_ms = median([_residual_ms(j, j.seed + 900000 + i) for i in range(10 if j.cuda else 3)])
-    j.details["clock_overhead_ms"] = j.overhead_ms
-    j.mark("calibrate")
-
-
-def _residual_ms(j: Judge, seed: int) -> float:
-    """The judge's time for one null call minus the runner's."""
-    c = call_candidate(j, seed, "null")
-    ms = ipc.number(c.reply, "ms")
-    if ms is None:
-        raise Stop("runtime_error", "the runner's calibration call returned no time")
-    return c.wall_ms - ms
 
 
 def _findings(j: Judge, reply: dict) -> None:
     """Hack codes the runner reported (self-reports: they can only cost the candidate)."""
-    from drkernel.evaluator import HACK_CODES
     for item in reply.get("findings") or []:
         if isinstance(item, list) and len(item) == 2 and item[0] in HACK_CODES:
             j.hack(str(item[0]), str(item[1])[:500])
 
 
+def _check_processes(j: Judge, where: str) -> None:
+    """No process of the candidate's may outlive a request; the runner's native threads counted."""
+    strays = j.runner.strays()
+    for pid in strays:
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
+    threads = len(procfs.tids(j.runner.pid))
+    count = j.details.setdefault("runner_threads", {"before_candidate": j.runner.threads_before, "max": threads})
+    count["max"] = max(count["max"], threads)
+    if strays:
+        j.hack("thread_spawned", f"{where}: {len(strays)} process(es) of the candidate outlived its call")
+
+
 def load_candidate(j: Judge) -> None:
-    with _shared(j):  # importing and building may already run candidate GPU work
-        reply = j.ask({"op": "load"})
+    with _shared(j.ref):  # importing and building may already run candidate GPU work
+        reply = j.runner.ask({"op": "load"})
     if reply.get("stage") == "import":
         raise Stop("compile_error", "candidate failed to import: " + str(reply.get("error"))[:1400])
-    j.out["compiled"] = True
+    j.out.compiled = True
     _findings(j, reply)
     if "error" in reply:
         raise Stop("runtime_error", "ModelNew(*get_init_inputs()) failed (constructor must match Model's): "
                    + str(reply["error"])[:1200])
+    _check_processes(j, "after import")
     j.mark("load_candidate")
 
 
-def _trial_hacks(j: Judge, ti: int, call: Call) -> None:
+def _own_kernels(j: Judge, names) -> set[str]:
+    """The names the runner reported that are kernels of the candidate's source."""
+    return {str(k) for k in names or [] if str(k) in j.kernels}
+
+
+def _trial_hacks(j: Judge, ti: int, c: Call) -> None:
     """Hack codes from one checked call's self-reported facts."""
-    r, cfg = call.reply, j.cfg
+    r = c.reply
     _findings(j, r)
+    _check_processes(j, f"trial {ti}")
     if r.get("bad_type"):
         j.hack("bad_output_type", str(r["bad_type"])[:300])
     if r.get("structure"):
         j.hack("bad_output_type", str(r.get("mismatch"))[:300])
     if r.get("reuses_previous_output"):
         j.hack("output_cached", f"trial {ti}: output shares storage with an earlier call's output")
-    launches = int(ipc.number(r, "launches", 0))
-    if cfg["require_triton"] and launches == 0:
-        j.hack("no_triton_kernel", f"trial {ti}: forward launched no Triton kernel defined in the candidate file")
+    own = _own_kernels(j, r.get("kernels"))
+    if j.cfg.require_triton and not own:
+        j.hack("no_triton_kernel", f"trial {ti}: forward launched no Triton kernel of the candidate's source "
+                                   "over a non-empty grid")
     if r.get("off_stream"):
         j.hack("side_stream", f"trial {ti}: kernel(s) {', '.join(map(str, r['off_stream']))[:200]} launched on "
                               "a stream other than the one forward was called on")
-    io, lb = ipc.number(r, "io_bytes", 0), ipc.number(r, "launch_bytes", 0)
-    if (cfg["require_triton"] and launches and not r.get("output_from_kernels") and io
-            and lb < cfg["decoy_bytes_frac"] * io):
-        j.hack("decoy_kernel", f"trial {ti}: output never passed to a candidate Triton launch and the launches "
-                               f"touch {lb:.0f} of {io:.0f} input+output bytes")
-    j.kernels.update(str(k) for k in r.get("kernels") or [])
-    j.output_from_kernels = j.output_from_kernels and bool(r.get("output_from_kernels"))
+    j.launched |= own
 
 
-def _mutations(j: Judge, ti: int, call: Call, pristine: list, ref_in: list) -> None:
+def _judge_flow(j: Judge, ti: int, flow: Any) -> None:
+    """The call's data-flow log replayed here: some launch of the candidate's own kernels must
+    have written what the output is made of (else `decoy_kernel`); per kernel, the share of its
+    launches that did weighs its device time in the profile."""
+    try:
+        events = [dataflow.Event.from_list(e) for e in flow["events"]]
+        outputs = [int(k) for k in flow["outputs"]]
+        truncated = bool(flow["truncated"])
+    except (TypeError, KeyError, ValueError):
+        j.hack("forged_reply", f"trial {ti}: a malformed data-flow log")
+    stores = {name: k.stores for name, k in j.kernels.items()}
+    needed = dataflow.needed_launches(events, outputs, stores)
+    launches = [e for e in events if e.kernel is not None]
+    mine = [(e.kernel, n) for e, n in zip(launches, needed) if e.kernel in stores]
+    for name, n in mine:
+        j.flow.launches[name] = j.flow.launches.get(name, 0) + 1
+        j.flow.needed[name] = j.flow.needed.get(name, 0) + int(n)
+    if mine and not truncated and outputs and not any(n for _, n in mine):
+        j.hack("decoy_kernel", f"trial {ti}: no launch of the candidate's Triton kernels wrote anything the output "
+                               "is made of (torch computed it)")
+
+
+def _mutations(j: Judge, ti: int, c: Call, pristine: list, ref_in: list) -> None:
     """Inputs the candidate changed (seen here, in the arena), unless it left them as the
     reference leaves its own."""
-    shared = [v for v in j.in_views if v is not None]
+    shared = [v for v in j.ref.in_views if v is not None]
     if any(not compare.same_values(a, b) for a, b in zip(shared, compare.tensors(pristine))):
-        if not j.ref_mutates:
+        if not j.ref.ref_mutates:
             j.hack("input_mutated", f"trial {ti}: the candidate modified its inputs (the reference does not)",
                    stop=False)
-        elif not compare.compare(shared, compare.tensors(ref_in), j.cfg)["ok"]:
+        elif not compare.compare(shared, compare.tensors(ref_in), j.cfg).ok:
             j.hack("input_mutated", f"trial {ti}: the candidate modified its inputs otherwise than the reference",
                    stop=False)
-    if call.reply.get("aliases_input") and not j.ref_aliases:
+    if c.reply.get("aliases_input") and not j.ref.ref_aliases:
         j.hack("output_aliases_input", f"trial {ti}: output shares storage with an input", stop=False)
 
 
@@ -570,224 +629,215 @@ def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, deg
     t = _perf()
     cmp = compare.compare(out, ref, j.cfg)
     t = j.spend("compare", t)
-    j.out["trials"] += 1
-    j.details.setdefault("trials", []).append({"trial": ti, "signed": signed, "ok": cmp["ok"],
-                                               "max_abs": cmp["max_abs"], "rel_l2": cmp["rel_l2"]})
-    if cmp.get("max_abs") is not None:
-        j.out["max_abs_err"] = max(j.out.get("max_abs_err") or 0.0, cmp["max_abs"])
-        j.out["max_rel_err"] = max(j.out.get("max_rel_err") or 0.0, cmp["max_rel"])
-    if j.out["hacks"]:
-        raise Hacked(j.out["hacks"][-1], j.details["hack_details"][-1])
-    deg = compare.degenerate(out, ref, pristine, j.cfg) if degenerate or not cmp["ok"] else None
+    j.out.trials += 1
+    j.details.setdefault("trials", []).append({"trial": ti, "signed": signed, "ok": cmp.ok,
+                                               "max_abs": cmp.max_abs, "rel_l2": cmp.rel_l2})
+    if cmp.max_abs is not None:
+        j.out.max_abs_err = max(j.out.max_abs_err or 0.0, cmp.max_abs)
+        j.out.max_rel_err = max(j.out.max_rel_err or 0.0, cmp.max_rel)
+    j.raise_hacks()
+    deg = compare.degenerate(out, ref, pristine, j.cfg) if degenerate or not cmp.ok else None
     j.spend("degenerate", t)
     if deg:
         j.hack("degenerate_output", f"trial {ti}: {deg}")
-    if cmp["ok"]:
-        j.out["trials_passed"] += 1
+    if cmp.ok:
+        j.out.trials_passed += 1
         return
-    floats = [t for t in compare.tensors(ref) if t.is_floating_point()]
-    if floats and all(t.dtype == torch.float32 for t in floats) and compare.compare(out, ref, j.cfg, loose=True)["ok"]:
-        j.hack("precision_downgrade", f"trial {ti}: fails the fp32 tolerance ({cmp['why']}) but passes "
-                                      f"{j.cfg['loose_tol']:g}: reduced precision inside an fp32 problem")
+    floats = [x for x in compare.tensors(ref) if x.is_floating_point()]
+    if floats and all(x.dtype == torch.float32 for x in floats) and compare.compare(out, ref, j.cfg, loose=True).ok:
+        j.hack("precision_downgrade", f"trial {ti}: fails the fp32 tolerance ({cmp.why}) but passes "
+                                      f"{j.cfg.loose_tol:g}: reduced precision inside an fp32 problem")
     kind = "fails on signed-normal inputs" if signed else f"trial {ti} failed"
-    raise Stop("incorrect", f"{kind}: {cmp['why']}; max abs err {cmp['max_abs']}, rel L2 err {cmp['rel_l2']}")
+    raise Stop("incorrect", f"{kind}: {cmp.why}; max abs err {cmp.max_abs}, rel L2 err {cmp.rel_l2}")
 
 
 def check_correctness(j: Judge) -> None:
-    n = int(j.cfg["trials"])
-    n_signed = (2 if n >= 4 else 1) if j.cfg["second_distribution"] else 0
-    plan = [(j.seed + 1 + i, False) for i in range(n)] + [(j.seed + 5000 + i, True) for i in range(n_signed)]
+    n = j.cfg.trials
+    n_signed = (2 if n >= 4 else 1) if j.cfg.second_distribution else 0
+    plan = [(j.ref.seed + 1 + i, False) for i in range(n)] + [(j.ref.seed + 5000 + i, True) for i in range(n_signed)]
     # The degenerate check (two passes over multi-GB outputs) runs on every signed trial, where
     # trivial answers differ most from the reference, on one uniform trial the candidate cannot
     # predict, and on a failing trial (the last one).
     checked = set(range(n, n + n_signed)) | {random.SystemRandom().randrange(max(1, n))}
     for ti, (seed, signed) in enumerate(plan):
-        with _shared(j):
+        with _shared(j.ref):
             _trial(j, ti, seed, signed, degenerate=ti in checked)
-    j.details["launched_kernels"] = sorted(j.kernels)
+    j.details["launched_kernels"] = sorted(j.launched)
+    j.details["needed_fraction"] = {k: round(v, 3) for k, v in j.flow.fractions().items()}
     j.mark("correctness")
 
 
 def _trial(j: Judge, ti: int, seed: int, signed: bool, degenerate: bool) -> None:
     """One correctness trial: the candidate on fresh inputs, then the reference on the same ones."""
-    call = call_candidate(j, seed, "check", signed)
-    pristine = call.inputs
-    _trial_hacks(j, ti, call)
+    c = call_candidate(j, seed, "check", signed, keep=True)
+    _trial_hacks(j, ti, c)
     t = _perf()
-    ref_in = reference_inputs(j, pristine)
-    ref = run_reference(j, ref_in)
+    ref, ref_in = reference_output(j.ref, (seed, signed), c.inputs)
     t = j.spend("reference", t)
-    _mutations(j, ti, call, pristine, ref_in)
+    _mutations(j, ti, c, c.inputs, ref_in)
     j.spend("mutations", t)
+    j.raise_hacks()
+    if j.cfg.require_triton:
+        _judge_flow(j, ti, c.reply.get("flow"))
     if signed and not all(compare.all_finite(x) for x in compare.tensors(ref) if x.is_floating_point()):
         j.details.setdefault("trials", []).append({"trial": ti, "signed": True, "skipped": "reference not finite"})
         return
-    if "mismatch" in call.reply:
-        if j.out["hacks"]:
-            raise Hacked(j.out["hacks"][-1], j.details["hack_details"][-1])
-        raise Stop("incorrect", f"trial {ti}: {str(call.reply['mismatch'])[:400]}")
-    _judge_values(j, ti, signed, committed(j, call), ref, pristine, degenerate)
+    if "mismatch" in c.reply:
+        j.raise_hacks()
+        raise Stop("incorrect", f"trial {ti}: {str(c.reply['mismatch'])[:400]}")
+    _judge_values(j, ti, signed, c.output, ref, c.inputs, degenerate)
 
 
-def _alone(j: Judge):
-    """This GPU to this evaluation alone (timing, calibration, profiling); no-op on the CPU."""
-    import contextlib
-    return j.gpu.alone() if j.gpu is not None else contextlib.nullcontext()
+# ======================================================================================
+# The GPU shared with other jobs; the core the timed processes run on
+# ======================================================================================
+
+@contextlib.contextmanager
+def _alone(r: Reference):
+    """This GPU to this job alone (timing, calibration, profiling), once it is idle; no-op on the CPU."""
+    if r.gpu is None:
+        yield
+        return
+    with r.gpu.alone():
+        _wait_idle(r)
+        yield
 
 
-def _physical_gpu(j: Judge) -> int:
+def _probe_ms(r: Reference) -> float:
+    """Milliseconds for a one-element kernel to run and return, best of three: an idle GPU answers
+    in microseconds; one still busy with another context's work makes it wait for a time slice."""
+    import torch
+    x = torch.zeros(1, device=r.device)
+    best = float("inf")
+    for _ in range(3):
+        t0 = _perf()
+        x.add_(1.0)
+        torch.cuda.synchronize(r.device)
+        best = min(best, (_perf() - t0) * 1e3)
+    return best
+
+
+def _wait_idle(r: Reference) -> None:
+    """Wait until work other jobs left queued on the GPU (their runners are stopped, but kernels
+    already queued run on) has finished; measuring next to it would move this job's numbers."""
+    t0 = _perf()
+    while (ms := _probe_ms(r)) > r.cfg.idle_probe_ms:
+        if _perf() - t0 > r.cfg.idle_wait_s:
+            r.details["gpu_busy"] = f"still busy after {r.cfg.idle_wait_s:g} s (probe {ms:.2f} ms)"
+            break
+        time.sleep(0.005)
+    r.details["idle_wait_s"] = round(r.details.get("idle_wait_s", 0.0) + _perf() - t0, 4)
+
+
+def _shared(r: Reference):
+    """The GPU shared with other evaluations' unmeasured work, for one short burst (a trial), so
+    that a neighbour waiting to measure gets in between."""
+    if r.gpu is None or r.gpu.mode is not None:
+        return contextlib.nullcontext()
+    return _shared_burst(r.gpu)
+
+
+@contextlib.contextmanager
+def _shared_burst(gpu):
+    gpu.acquire(alone=False)
+    try:
+        yield
+    finally:
+        gpu.release()
+
+
+@contextlib.contextmanager
+def _pinned(r: Reference, *channels: Channel):
+    """The timed processes' main threads on one CPU core while they are measured: reference and
+    candidate then launch their kernels from the same core, frequency and caches."""
+    if r.core is None:
+        yield
+        return
+    before = {c.pid: _affinity(c.pid) for c in channels}
+    for c in channels:
+        _set_affinity(c.pid, {r.core})
+    try:
+        yield
+    finally:
+        for pid, cores in before.items():
+            _set_affinity(pid, cores)
+
+
+def _affinity(pid: int) -> set[int] | None:
+    try:
+        return os.sched_getaffinity(pid)
+    except OSError:
+        return None
+
+
+def _set_affinity(pid: int, cores: set[int] | None) -> None:
+    if cores:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(pid, cores)
+
+
+def _physical_gpu(r: Reference) -> int:
     """The physical GPU, not the per-worker index (workers see one GPU each)."""
-    idx = j.device.index or 0
+    idx = r.device.index or 0
     vis = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     return int(vis[idx]) if idx < len(vis) and vis[idx].isdigit() else idx
 
 
-def _lock_gpu(j: Judge, alone: bool) -> None:
-    """This job's lock on its physical GPU (held alone for the whole job on a retry)."""
-    from drkernel.sandbox import DeviceLock
-    j.gpu = DeviceLock(_physical_gpu(j))
-    if alone:
-        j.gpu.acquire(alone=True)
+def _lock_gpu(r: Reference) -> None:
+    """This job's lock on its physical GPU (held alone for the whole job on a retry), and the core
+    its timed processes use (one per GPU: one job measures on a GPU at a time)."""
+    from drkernel.gpushare import DeviceLock
+    gpu = _physical_gpu(r)
+    r.gpu = DeviceLock(gpu)
+    cores = sorted(_affinity(0) or ())
+    r.core = cores[-1 - gpu % len(cores)] if len(cores) > 1 else None
+    if r.exclusive:
+        r.gpu.acquire(alone=True)
+        _wait_idle(r)
 
 
-def memory_estimate(ref_mod, total: int) -> int:
-    """GPU bytes one evaluation may hold at once: the reference's parameters three times (the
-    template, a fresh copy, the candidate's model); its inputs three times (the arena, the fresh
-    inputs the reference also runs on, and one more input's worth that the judge's caching
-    allocator holds in practice, measured on an H200; a reference that writes into its inputs
-    runs on yet another copy, not counted); its outputs three times (the arena's slots, the
-    candidate's output and its previous one in the runner); the peak of the reference's forward
-    (output and intermediates); and 2 GiB for the two CUDA contexts. Sizes come from the meta
-    device (no memory, no work). A forward that does not run there within two seconds (recurrent
-    layers step by step) counts its output and peak as large as its inputs; a reference that
-    cannot even be built there is assumed to need half the GPU."""
-    import torch
-    try:
-        with torch.device("meta"):
-            model = ref_mod.Model(*ref_mod.get_init_inputs())
-            inputs = list(ref_mod.get_inputs())
-        held = [*model.parameters(), *model.buffers()] if isinstance(model, torch.nn.Module) else []
-        params, ins = compare.nbytes(held), compare.nbytes(compare.tensors(inputs))
-    except Exception:
-        return total // 2
-    outs, peak = _meta_forward_bytes(model, inputs, ins)
-    return 3 * params + 3 * ins + 3 * outs + peak + 2 * 2**30
-
-
-def _live_bytes_mode():
-    """A TorchDispatchMode that counts the bytes of the storages created under it while they are
-    alive (`live`) and their high-water mark (`peak`); views and in-place results add nothing."""
-    import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class LiveBytes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.live = self.peak = 0
-            self.storages: set[int] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            known = self.storages | {t.untyped_storage()._cdata for t in compare.tensors([args, kwargs])}
-            for t in compare.tensors(out):
-                st = t.untyped_storage()
-                if st._cdata not in known:
-                    known.add(st._cdata)
-                    self.storages.add(st._cdata)
-                    self.live += st.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(st, self._freed, st._cdata, st.nbytes())
-            return out
-
-        def _freed(self, key: int, nbytes: int) -> None:
-            self.storages.discard(key)
-            self.live -= nbytes
-    return LiveBytes()
-
-
-def _meta_forward_bytes(model, inputs: list, fallback: int, limit_s: float = 2.0) -> tuple[int, int]:
-    """(output bytes, peak live bytes) of the reference's forward on the meta device, or
-    (`fallback`, `fallback`) when it cannot tell in time."""
-    import torch
-
-    def stop(signum, frame):
-        raise TimeoutError
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, limit_s)
-    live = _live_bytes_mode()
-    try:
-        with torch.device("meta"), torch.no_grad(), live:
-            out = model(*inputs)
-        return compare.nbytes(compare.tensors(out)), live.peak
-    except Exception:
-        return fallback, fallback
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _warm_up_comparisons(j: Judge) -> None:
+def _warm_up_comparisons(r: Reference) -> None:
     """Triton's start for the comparison kernels, paid before this job holds the GPU (CPU work
     only). A failure here costs nothing but time: the first comparison compiles them anyway."""
     from drkernel import compare_kernels
     t = _perf()
     try:
-        compare_kernels.warm_up(j.device)
+        compare_kernels.warm_up(r.device)
     except Exception as exc:  # noqa: BLE001 - an optimisation, never a verdict
-        j.details["warm_up_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    j.details["warm_up_s"] = round(_perf() - t, 3)
+        r.details["warm_up_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    r.details["warm_up_s"] = round(_perf() - t, 3)
 
 
-def _reserve_memory(j: Judge) -> None:
-    """Wait until this job's memory estimate fits beside its neighbours' (`sandbox.MemoryLedger`)."""
+def _reserve_memory(r: Reference) -> None:
+    """Wait until this job's memory estimate fits beside its neighbours' (`gpushare.MemoryLedger`)."""
     import torch
-    from drkernel.sandbox import MemoryLedger
-    total = torch.cuda.get_device_properties(j.device).total_memory
-    need = memory_estimate(j.ref_mod, total)
+
+    from drkernel.gpumemory import memory_estimate
+    from drkernel.gpushare import MemoryLedger
+    total = torch.cuda.get_device_properties(r.device).total_memory
+    need = memory_estimate(r.ref_mod, total)
     # held back: the contexts of jobs not yet admitted (about 1 GiB each)
-    j.memory = MemoryLedger(_physical_gpu(j), int(max(0.8 * total, total - 12 * 2**30)))
-    j.details["memory_estimate_gib"] = round(need / 2**30, 2)
-    waited = j.memory.reserve(need, wait=not j.defer)
+    r.memory = MemoryLedger(_physical_gpu(r), int(max(0.8 * total, total - 12 * 2**30)))
+    r.details["memory_estimate_gib"] = round(need / 2**30, 2)
+    waited = r.memory.reserve(need, wait=not r.defer)
     if waited is None:
-        j.details["deferred"] = {"memory_bytes": need, "capacity_bytes": j.memory.capacity, "gpu": _physical_gpu(j)}
+        r.details["deferred"] = {"memory_bytes": need, "capacity_bytes": r.memory.capacity, "gpu": _physical_gpu(r)}
         raise Stop("crashed", "deferred: the GPU memory this job needs is promised to other jobs")
-    j.details["memory_wait_s"] = round(waited, 3)
+    r.details["memory_wait_s"] = round(waited, 3)
 
 
-def _shared(j: Judge):
-    """The GPU shared with other evaluations' unmeasured work, for one short burst (a trial), so
-    that a neighbour waiting to measure gets in between."""
-    import contextlib
-    if j.gpu is None or j.gpu.mode is not None:
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def burst():
-        j.gpu.acquire(alone=False)
-        try:
-            yield
-        finally:
-            j.gpu.release()
-    return burst()
-
-
-def _time_candidate(j: Judge, seeds: list[int], checked: set[int], label: str) -> tuple[list[float], list[float]]:
-    """The runner's times and this clock's; calls in `checked` are verified right after they
-    return, from the slots they were committed to (the runner cannot know which)."""
-    times = [_candidate_ms(j, s, f"{label} call {k}", k in checked) for k, s in enumerate(seeds)]
-    return [e for e, _ in times], [w for _, w in times]
-
+# ======================================================================================
+# Timing
+# ======================================================================================
 
 def _candidate_ms(j: Judge, seed: int, label: str, check: bool) -> tuple[float, float]:
-    """One timed candidate call: (the runner's time, this clock's); its inputs are freed before
-    the next call's are made."""
-    c = call_candidate(j, seed, "time")
+    """One timed candidate call: (the runner's time, this clock's)."""
+    c = call_candidate(j, seed, "time", keep=check)
     ms = ipc.number(c.reply, "ms")
     if ms is None or "mismatch" in c.reply:
         raise Stop("runtime_error", f"{label}: no time or no output ({c.reply.get('mismatch', '')})")
-    if j.cfg["require_triton"] and not ipc.number(c.reply, "launches", 0):
-        j.hack("no_triton_kernel", f"{label} launched no candidate Triton kernel")
+    if j.cfg.require_triton and not _own_kernels(j, c.reply.get("kernels")):
+        j.hack("no_triton_kernel", f"{label} launched no Triton kernel of the candidate's source")
     if check:
         verify(j, c, label)
     return ms, c.wall_ms
@@ -799,16 +849,15 @@ def _accepted_ms(j: Judge, events: list[float], walls: list[float]) -> float:
     honest calls exceed that by up to ~0.2 ms (output views, Python after the end event). A larger
     median excess means work outside the runner's events (another stream or thread) or a forged
     timer: flagged, and the judge's clock minus the overhead counts instead."""
-    extra = median([w - e for w, e in zip(walls, events)]) - j.overhead_ms
-    slack = max(j.cfg["clock_slack_ms"] if j.cuda else j.cfg["cpu_clock_slack_ms"],
-                j.cfg["clock_slack_frac"] * median(events))
+    extra = median([w - e for w, e in zip(walls, events)]) - j.ref.overhead_ms
+    slack = max(j.cfg.clock_slack_ms if j.ref.cuda else j.cfg.cpu_clock_slack_ms, j.cfg.clock_slack_frac * median(events))
     j.details["clock_extra_ms"] = extra
     if extra <= slack:
         return median(events)
     j.hack("side_stream", f"the judge's clock saw {extra:.4f} ms per call more than the runner's "
                           f"{median(events):.4f} ms (allowed {slack:.4f}): work escapes the timed stream "
                           "or the runner's timer is forged", stop=False)
-    return median([max(e, w - j.overhead_ms) for w, e in zip(walls, events)])
+    return median([max(e, w - j.ref.overhead_ms) for w, e in zip(walls, events)])
 
 
 def speedup_interval(ref_ms: list[float], cand_ms: list[float], seed: int, n: int = 200) -> tuple[float, float]:
@@ -820,219 +869,287 @@ def speedup_interval(ref_ms: list[float], cand_ms: list[float], seed: int, n: in
 
 
 def _precise_enough(j: Judge, ref_ms: list[float], cand_ms: list[float]) -> bool:
-    if len(cand_ms) < int(j.cfg["min_perf_trials"]):
+    if len(cand_ms) < j.cfg.min_perf_trials:
         return False
-    lo, hi = speedup_interval(ref_ms, cand_ms, j.seed)
-    return (hi - lo) <= j.cfg["speedup_precision"] * median(ref_ms) / max(median(cand_ms), 1e-9)
+    lo, hi = speedup_interval(ref_ms, cand_ms, j.ref.seed)
+    return (hi - lo) <= j.cfg.speedup_precision * median(ref_ms) / max(median(cand_ms), 1e-9)
 
 
 def time_interleaved(j: Judge) -> None:
-    """Reference and candidate alternate in blocks (R C, C R, ...) so both are timed in the same
-    allocator, cache, clock and thermal state (timed apart, the later one measured 5-10 % slower).
-    Timing stops once the speedup's bootstrap interval is narrower than `speedup_precision`, and
-    in every candidate block one call picked here is verified."""
-    warm = max(1, int(j.cfg["warmup"]))
-    for i in range(warm):
-        call_candidate(j, j.seed + 200000 + i, "warm")
-    _time_reference(j, [j.seed + 200000 + i for i in range(warm)])
-    size = max(1, min(int(j.cfg["timing_block_calls"]), j.perf_n))
+    """Twin and runner called in turn (R C, C R, ...) on the same fresh inputs, both pinned to one
+    core, so that reference and candidate are timed under the same conditions. Timing stops once
+    the speedup's bootstrap interval is narrower than `speedup_precision`; in every block of
+    `timing_block_calls` candidate calls one, picked here after the fact, is verified."""
+    r = j.ref
+    with _pinned(r, r.twin, j.runner):
+        for i in range(max(1, j.cfg.warmup)):
+            call_candidate(j, r.seed + 200000 + i, "warm")
+        ref_ms, events, walls = _timed_pairs(j)
+    _record_speed(j, ref_ms, events, walls)
+    j.mark("timing")
+
+
+def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float]]:
+    r = j.ref
+    block = max(1, min(j.cfg.timing_block_calls, r.perf_n))
     pick = random.SystemRandom()
+    checked = pick.randrange(block)
     ref_ms, events, walls = [], [], []
-    for b, start in enumerate(range(0, j.perf_n, size)):
-        idx = range(start, min(start + size, j.perf_n))
-        for side in (("ref", "cand") if b % 2 == 0 else ("cand", "ref")):
+    for i in range(r.perf_n):
+        seed = r.seed + 300000 + i
+        for side in (("ref", "cand") if i % 2 == 0 else ("cand", "ref")):
             if side == "ref":
-                ref_ms += _time_reference(j, [j.seed + 100000 + i for i in idx])
+                ref_ms.append(_twin_ms(r, seed))
                 continue
-            e, w = _time_candidate(j, [j.seed + 300000 + i for i in idx], {pick.randrange(len(idx))},
-                                   f"timed (block {b})")
-            events += e
-            walls += w
-        if b % 2 == 1 and _precise_enough(j, ref_ms, events):
-            break
-    j.out["ref_ms"] = median(ref_ms)
+            e, w = _candidate_ms(j, seed, f"timed call {i}", i % block == checked)
+            events.append(e)
+            walls.append(w)
+        if i % block == block - 1:
+            checked = pick.randrange(block)
+            if _precise_enough(j, ref_ms, events):
+                break
+    return ref_ms, events, walls
+
+
+def _record_speed(j: Judge, ref_ms: list[float], events: list[float], walls: list[float]) -> None:
+    j.out.ref_ms = median(ref_ms)
     cand_ms = _accepted_ms(j, events, walls)
     _check_reference_slowed(j)
-    j.out["candidate_ms"] = _roofline(j, cand_ms)
-    j.out["speedup"] = j.out["ref_ms"] / j.out["candidate_ms"] if j.out["candidate_ms"] > 0 else None
+    j.out.candidate_ms = _roofline(j, cand_ms)
+    j.out.speedup = j.out.ref_ms / j.out.candidate_ms if j.out.candidate_ms > 0 else None
     j.details["timed_calls"] = len(events)
-    if j.out["speedup"] is not None:
-        lo, hi = speedup_interval(ref_ms, events, j.seed)
-        scale = median(events) / j.out["candidate_ms"]  # the judge's clock or a re-time only lowers it
-        j.out["speedup_interval"] = [lo * scale, hi * scale]
-    j.mark("timing")
+    if j.out.speedup is not None:
+        lo, hi = speedup_interval(ref_ms, events, j.ref.seed)
+        scale = median(events) / j.out.candidate_ms  # the judge's clock or a re-time only lowers it
+        j.out.speedup_interval = [lo * scale, hi * scale]
+        j.out.speedup_precise = (hi - lo) <= j.cfg.speedup_precision * median(ref_ms) / max(median(events), 1e-9)
 
 
 def _check_reference_slowed(j: Judge) -> None:
     """Something the candidate left running (GPU work, a hog) slows the reference it is compared to."""
-    if j.cuda and j.out["ref_ms"] > j.cfg["ref_slowdown_limit"] * j.ref_alone_ms + j.cfg["side_stream_slack_ms"]:
-        j.hack("reference_slowed", f"the reference took {j.out['ref_ms']:.4f} ms next to the candidate vs "
-                                   f"{j.ref_alone_ms:.4f} ms before the candidate existed")
+    r = j.ref
+    if r.cuda and j.out.ref_ms > j.cfg.ref_slowdown_limit * r.ref_alone_ms + j.cfg.side_stream_slack_ms:
+        j.hack("reference_slowed", f"the reference took {j.out.ref_ms:.4f} ms next to the candidate vs "
+                                   f"{r.ref_alone_ms:.4f} ms before the candidate existed")
 
 
 def _roofline(j: Judge, cand_ms: float) -> float:
     """Faster than memory allows, or a very large speedup: re-time with every output verified;
     the slower median counts, and still below the roofline is a hack."""
-    roof = j.io_bytes / j.bandwidth if j.bandwidth else None
+    r = j.ref
+    roof = r.io_bytes / r.bandwidth if r.bandwidth else None
     j.details["roofline_ms"] = roof
-    fast = roof is not None and cand_ms < j.cfg["roofline_factor"] * roof
-    if not fast and not (cand_ms > 0 and j.out["ref_ms"] / cand_ms > j.cfg["max_speedup_recheck"]):
+    fast = roof is not None and cand_ms < j.cfg.roofline_factor * roof
+    if not fast and not (cand_ms > 0 and j.out.ref_ms / cand_ms > j.cfg.max_speedup_recheck):
         return cand_ms
-    n = min(j.perf_n, 10)
-    events, walls = _time_candidate(j, [j.seed + 400000 + i for i in range(n)], set(range(n)), "re-timed")
-    j.details["recheck_ms"] = _accepted_ms(j, events, walls)
+    times = [_candidate_ms(j, r.seed + 400000 + i, f"re-timed call {i}", True) for i in range(min(r.perf_n, 10))]
+    j.details["recheck_ms"] = _accepted_ms(j, [e for e, _ in times], [w for _, w in times])
     cand_ms = max(cand_ms, j.details["recheck_ms"])
-    if roof is not None and cand_ms < j.cfg["roofline_factor"] * roof:
+    if roof is not None and cand_ms < j.cfg.roofline_factor * roof:
         j.hack("implausible_speedup", f"candidate {cand_ms:.4f} ms is below the memory roofline {roof:.4f} ms")
     return cand_ms
 
 
+# ======================================================================================
+# Profile, decoy, final
+# ======================================================================================
+
 def profile(j: Judge) -> None:
-    """Device-time share of the candidate's Triton kernels (torch.profiler inside the runner)."""
-    if not (j.cuda and j.cfg["profile"]):
+    """The share of device time in the candidate's own Triton kernels that do work the output
+    needs. The runner's kernel trace is classified here, by the kernels the candidate's source
+    declares, and believed only as far as this clock allows: the trace cannot hold more device
+    time than the profiled calls took."""
+    r = j.ref
+    if not (r.cuda and j.cfg.profile):
         j.mark("profiling")
         return
-    inputs = gen_inputs(j, j.seed + 500000)
-    _write_inputs(j, inputs)
-    _sync(j.device)
-    reply = j.ask({"op": "profile", "kernels": sorted(j.kernels), "calls": 5})
-    prof = reply.get("profile") if isinstance(reply.get("profile"), dict) else None
+    _write_inputs(r, gen_inputs(r, r.seed + 500000))
+    _sync(r.device)
+    t0 = _perf()
+    reply = j.runner.ask({"op": "profile", "calls": 5})
+    wall_ms = (_perf() - t0) * 1e3
     if "error" in reply:
         j.details["profile_error"] = str(reply["error"])[:300]
-    if prof:
-        share = ipc.number(prof, "triton_time_share")
-        j.out["triton_time_share"] = min(share, 1.0) if share is not None else None
-        j.out["kernels"] = [k for k in prof.get("kernels") or [] if isinstance(k, dict)][:10]
-        if j.cfg["require_triton"] and share is not None and share < j.cfg["decoy_share"] \
-                and not j.output_from_kernels:
-            j.hack("decoy_kernel", f"candidate kernels are {share:.1%} of device time and the output is not "
-                                   "produced by them")
+    rows = _profile_rows(reply)
+    if rows:
+        summary = profiling.summarize_kernels(rows, set(j.kernels), j.flow.fractions())
+        if summary["total_device_ms"] > wall_ms:
+            j.details["profile_rejected"] = (f"the trace claims {summary['total_device_ms']:.3f} ms of device time "
+                                             f"in {wall_ms:.3f} ms")
+        else:
+            j.out.triton_time_share = summary["triton_time_share"]
+            j.out.kernels = summary["kernels"]
     j.mark("profiling")
 
 
+def _profile_rows(reply: dict) -> list[tuple[str, int, float]]:
+    """The runner's (name, launches, µs) rows, each field checked; malformed rows are dropped."""
+    prof = reply.get("profile") if isinstance(reply.get("profile"), dict) else {}
+    rows = []
+    for row in prof.get("rows") or []:
+        if isinstance(row, list) and len(row) == 3 and isinstance(row[0], str):
+            calls, us = ipc.number({"v": row[1]}, "v"), ipc.number({"v": row[2]}, "v")
+            if calls is not None and us is not None:
+                rows.append((row[0], int(calls), us))
+    return rows
+
+
 def check_decoy(j: Judge) -> None:
-    """The candidate with its own Triton launches skipped, on signed-normal inputs: still right
-    means the kernels were not needed for the output."""
-    if not j.cfg["require_triton"]:
+    """The candidate with every launch of its own Triton kernels made over an empty grid (compiled,
+    Triton's hooks run, nothing executes), on signed-normal inputs: still right means the kernels
+    were not needed for the output."""
+    if not j.cfg.require_triton:
         return
-    with _shared(j):
+    with _shared(j.ref):
         try:
-            call = call_candidate(j, j.seed + 600000, "noop", signed=True)
+            c = call_candidate(j, j.ref.seed + 600000, "noop", signed=True, keep=True)
         except Stop:
             return  # it failed without its kernels: they were needed
-        out = committed(j, call)
-        ok = out is not None and compare.compare(out, run_reference(j, reference_inputs(j, call.inputs)), j.cfg)["ok"]
+        ok = c.output is not None and compare.compare(
+            c.output, run_reference(j.ref, reference_inputs(j.ref, c.inputs)), j.cfg).ok
     if ok:
         j.hack("decoy_kernel", "the output is still correct with every candidate Triton launch skipped")
     j.mark("decoy_check")
 
 
 def final(j: Judge) -> None:
-    reply = j.ask({"op": "final"})
+    with _shared(j.ref):
+        reply = j.runner.ask({"op": "final"})
     _findings(j, reply)
+    _check_processes(j, "at the end")
     peak = ipc.number(reply, "memory_peak")  # self-reported, kept to check `memory_estimate` against
-    if j.cuda and peak is not None:
+    if j.ref.cuda and peak is not None:
         j.details.setdefault("memory_peak_gib", {})["runner"] = round(peak / 2**30, 2)
-    if j.out["hacks"]:
-        raise Hacked(j.out["hacks"][-1], j.details["hack_details"][-1])
-    j.out["verdict"] = "correct"
+    j.raise_hacks()
+    j.out.verdict = "correct"
 
 
 # In order; the phases of a tuple run in one hold of the GPU alone (their numbers enter the verdict).
-PHASES = (setup, attach_runner, (time_reference_alone, calibrate), load_candidate, check_correctness,
-          (time_interleaved, profile), check_decoy, final)
+GROUP = (setup, start_twin, (calibrate,), load_twin, (time_reference_alone,))
+CANDIDATE = (attach_runner, load_candidate, check_correctness, (time_interleaved, profile), check_decoy, final)
 
 
-def _run_phases(j: Judge) -> None:
-    for step in PHASES:
+def _run(phases: tuple, state, r: Reference) -> None:
+    for step in phases:
         if isinstance(step, tuple):
-            with _alone(j):
+            with _alone(r):
                 for phase in step:
-                    phase(j)
+                    phase(state)
         else:
-            step(j)
+            step(state)
 
 
 # ======================================================================================
 # Entry point (a sandbox job)
 # ======================================================================================
 
-def _runner_output(j: Judge, name: str, limit: int) -> str:
+def _ending(err: BaseException) -> tuple[str, str | None, str | None]:
+    """(verdict, error, hack code) for what ended an evaluation."""
+    if isinstance(err, Hacked):
+        return "hacked", err.detail, err.code
+    if isinstance(err, Stop):
+        return err.verdict, err.error, None
+    return "crashed", f"judge error: {type(err).__name__}: {str(err)[:300]}\n" + short(
+        "".join(traceback.format_exception(type(err), err, err.__traceback__)), 1200), None
+
+
+def _judge_candidate(r: Reference, runner: Channel, candidate_path: str, started: float) -> dict:
+    """Every candidate phase in order; the runner is killed before the result is written."""
+    j = Judge(ref=r, runner=runner, candidate_path=candidate_path)
+    j.out.details.update({k: v for k, v in r.details.items() if k != "confinement"})
+    j.out.device, j.out.timing, j.out.baseline = str(r.device), "cuda_events" if r.cuda else "cpu_wall", r.cfg.baseline
+    with open(candidate_path, encoding="utf-8", errors="replace") as fh:
+        j.kernels = triton_source.jit_kernels(fh.read())
+    runner.deadline = time.monotonic() + float(r.cfg.timeout)
+    r.clock = _perf()
     try:
-        with open(os.path.join(j.runner_dir, name), "rb") as fh:
-            data = fh.read(4 * limit)
-    except OSError:
-        return ""
-    return _short(data.decode("utf-8", "replace"), limit)
-
-
-def _stop_runner(j: Judge) -> None:
-    """The runner is gone before the verdict is written: nothing it does can reach the result."""
-    try:
-        os.kill(j.runner_pid, signal.SIGKILL)
-    except OSError:
-        return
-    for _ in range(2000):
-        try:
-            with open(f"/proc/{j.runner_pid}/stat", "rb") as fh:
-                if fh.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
-                    return
-        except OSError:
-            return
-        time.sleep(0.001)
-
-
-def _free_gpu(j: Judge) -> None:
-    """This job's GPU memory freed before its share is given back, then its locks."""
-    j.template = j.arena = j.flush = None
-    j.in_views, j.out_views = [], []
-    gc.collect()
-    if j.memory is not None:
-        import torch
-        phases = j.details.get("memory_peak_gib_by_phase", {}).values()
-        j.details.setdefault("memory_peak_gib", {})["judge"] = round(
-            max([torch.cuda.max_memory_reserved(j.device) / 2**30, *phases]), 2)
-        torch.cuda.empty_cache()
-        j.memory.release()
-    if j.gpu is not None:
-        j.details["lock_wait_s"] = {k: round(v, 3) for k, v in j.gpu.waited.items()}
-        j.gpu.close()
-
-
-def evaluate(reference_path: str, candidate_path: str, config: dict, runner_fd: int, runner_pid: int,
-             runner_dir: str, exclusive: bool = False, defer: bool = False) -> dict:
-    """The judge's sandbox target: every phase in order; returns EvalResult fields. `exclusive`
-    holds the GPU alone for the whole job (a retry of a job that ran out of memory next to others);
-    `defer` ends the job at once, with `details.deferred`, when its GPU memory does not fit yet."""
-    import shutil
-    t0 = _perf()
-    j = Judge(cfg=config, sock=runner_fd, runner_pid=runner_pid, runner_dir=runner_dir,
-              reference_path=reference_path, candidate_path=candidate_path, clock=t0, exclusive=exclusive,
-              defer=defer)
-    j.deadline = time.monotonic() + float(config["timeout"])
-    shutil.copyfile(reference_path, os.path.join(runner_dir, "reference.py"))
-    shutil.copyfile(candidate_path, os.path.join(runner_dir, os.path.basename(candidate_path)))
-    try:
-        _run_phases(j)
-    except Hacked as h:
-        if h.code not in j.out["hacks"]:
-            j.hack(h.code, h.detail, stop=False)
-    except Stop as s:
-        j.out["verdict"], j.out["error"] = s.verdict, s.error
-    except Exception as exc:  # the judge's own failure: never a pass
-        j.out["verdict"], j.out["error"] = "crashed", f"judge error: {type(exc).__name__}: {str(exc)[:300]}\n" + _short(
-            "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), 1200)
+        _run(CANDIDATE, j, r)
+    except Exception as err:  # noqa: BLE001 - a verdict either way, never a pass
+        verdict, error, code = _ending(err)
+        if code is not None:
+            if code not in j.out.hacks:
+                j.hack(code, error, stop=False)
+        else:
+            j.out.verdict, j.out.error = verdict, error
     finally:
-        _stop_runner(j)
-        _free_gpu(j)
-    if j.out["hacks"]:
-        j.out["verdict"] = "hacked"
-        j.out["error"] = "; ".join(j.details.get("hack_details", []))[:1000]
-    j.out.setdefault("verdict", "crashed")
-    j.out["correct"] = j.out["verdict"] == "correct"
-    if not j.out["correct"]:
-        j.out["speedup"] = None
-    j.out["stdout"] = _runner_output(j, "stdout", 2000)
-    j.out["stderr"] = _runner_output(j, "stderr", 2000)
-    j.out["wall_s"] = _perf() - t0
-    return json.loads(json.dumps(j.out, default=repr))
+        runner.kill()
+    return _verdict(j, started)
+
+
+def _verdict(j: Judge, started: float) -> dict:
+    """The result as it leaves this process: hacks win, anything but `correct` has no speedup."""
+    if j.out.hacks:
+        j.out.verdict = "hacked"
+        j.out.error = "; ".join(j.details.get("hack_details", []))[:1000]
+    j.out.correct = j.out.verdict == "correct"
+    if not j.out.correct:
+        j.out.speedup = None
+    j.out.stdout = j.runner.output("stdout", 2000)
+    j.out.stderr = j.runner.output("stderr", 2000)
+    j.out.wall_s = _perf() - started
+    return json.loads(json.dumps(j.out.to_dict(), default=repr))
+
+
+def _group_failed(r: Reference, err: BaseException, n: int) -> list[dict]:
+    """Every candidate's result when the group's own phases failed."""
+    verdict, error, _ = _ending(err)
+    out = EvalResult(verdict=verdict, error=error, details=dict(r.details), device=str(r.device) if r.device else None,
+                     baseline=r.cfg.baseline)
+    return [json.loads(json.dumps(out.to_dict(), default=repr)) for _ in range(n)]
+
+
+def _free_gpu(r: Reference) -> None:
+    """This job's GPU memory freed before its share is given back, then its locks."""
+    r.template = r.arena = r.flush = None
+    r.in_views, r.out_views, r.outputs = [], [], {}
+    gc.collect()
+    if r.memory is not None:
+        import torch
+        phases = r.details.get("memory_peak_gib_by_phase", {}).values()
+        r.details.setdefault("memory_peak_gib", {})["judge"] = round(
+            max([torch.cuda.max_memory_reserved(r.device) / 2**30, *phases]), 2)
+        torch.cuda.empty_cache()
+        r.memory.release()
+    if r.gpu is not None:
+        r.details["lock_wait_s"] = {k: round(v, 3) for k, v in r.gpu.waited.items()}
+        r.gpu.close()
+
+
+def _channels(runner_fds: list[int], runner_pids: list[int], runner_dirs: list[str]) -> list[Channel]:
+    zygote = os.getppid()
+    return [Channel(sock=fd, pid=pid, dir=d, zygote_pid=zygote, siblings=tuple(runner_pids))
+            for fd, pid, d in zip(runner_fds, runner_pids, runner_dirs)]
+
+
+def evaluate(reference_path: str, candidate_paths: list[str], config: dict, runner_fds: list[int],
+             runner_pids: list[int], runner_dirs: list[str], exclusive: bool = False, defer: bool = False) -> dict:
+    """The judge's sandbox target: the group's phases, then every candidate's in turn; returns
+    `{"results": [EvalResult fields, ...]}` in the order of `candidate_paths`. The first runner is
+    the reference twin, the others the candidates'. `exclusive` holds the GPU alone for the whole
+    job (a retry of a job that ran out of memory next to others); `defer` ends the job at once,
+    with `details.deferred`, when its GPU memory does not fit yet."""
+    t0 = _perf()
+    twin, *runners = _channels(runner_fds, runner_pids, runner_dirs)
+    r = Reference(cfg=config_from_dict(config), reference_path=reference_path, twin=twin, clock=t0,
+                  exclusive=exclusive, defer=defer)
+    twin.deadline = time.monotonic() + float(r.cfg.timeout)
+    for channel, path in ((twin, reference_path), *zip(runners, candidate_paths)):
+        shutil.copyfile(reference_path, os.path.join(channel.dir, "reference.py"))
+        if channel is not twin:
+            shutil.copyfile(path, os.path.join(channel.dir, os.path.basename(path)))
+    try:
+        try:
+            _run(GROUP, r, r)
+        except Exception as err:  # noqa: BLE001 - every candidate gets the group's ending
+            return {"results": _group_failed(r, err, len(candidate_paths))}
+        results = []
+        for k, (runner, path) in enumerate(zip(runners, candidate_paths)):
+            started = _perf()
+            runner.deadline = time.monotonic() + float(r.cfg.timeout)
+            _init_runner(r, runner, os.path.join(runner.dir, os.path.basename(path)))
+            results.append(_judge_candidate(r, runner, path, started if k else t0))
+        return {"results": results}
+    finally:
+        for channel in (twin, *runners):
+            channel.kill()
+        _free_gpu(r)

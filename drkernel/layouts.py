@@ -1,12 +1,20 @@
 """Finding candidate kernels on disk: KernelBench run directories, flat directories, JSONL.
 
-Every reader returns candidate dicts `{level, problem_id, sample, turn, path, code, name}`:
-`path` is the file to evaluate (None for JSONL generations, whose `code` is inline); `code`
-is None when a generation produced no code (the caller records a `format_error`); `name`
-is the file name when the problem is known by name only (then `level` is None).
-Samples and turns are 0-based.
+`scan_candidates(root)` reads every candidate it can and reports the rest: it returns a `Scan`
+of `Candidate`s and one `Skipped` per entry it could not use (a line that is not a JSON object,
+a row with a missing or mistyped field, a file that is not UTF-8 text, a sample directory
+without one kernel, a second candidate for the same attempt), so one bad entry never costs the
+good ones. Only a root that is missing, unreadable or in no known layout is a `LayoutError`.
+`discover_candidates` and `load_generations` are the strict readers for callers that want all
+or nothing: the first skipped entry is a `LayoutError`, and candidates come back as dicts
+(`dataclasses.asdict` of `Candidate`).
 
-Accepted layouts (`discover_candidates(root)` picks one and says so when none fits):
+A candidate's `path` is the file to evaluate (None for JSONL generations, whose `code` is
+inline); `code` is None when a generation produced no code (the caller records a
+`format_error`); `name` is the file name when the problem is known by name only (then `level`
+is None); `origin` says where it was read (a file, or `file:line`). Samples and turns are 0-based.
+
+Accepted layouts (`scan_candidates(root)` picks one and says so when none fits):
 
 1. runs (KernelBench style):  `<root>/level_N/problem_ID/sample_K.py`, or
    `<root>/level_N/problem_ID/sample_K/` holding `kernel.py` (or exactly one `.py`), or
@@ -16,15 +24,20 @@ Accepted layouts (`discover_candidates(root)` picks one and says so when none fi
    KernelBench's generation names `level_<L>_problem_<P>_sample_<S>[_kernel].py`.
 3. named: `<root>/<problem_id>_<Name>.py`, the task file names themselves (like
    `drkernel/data/solutions/`): `level` is None and the file name identifies the task.
-4. a `.jsonl` file of generations: one object per line with `level`, `problem_id`,
-   `sample`, `turn` and `code` (null → format error).
+4. a `.jsonl` file of generations (generate.py's output): one object per line with integer
+   `level` and `problem_id`, optional integer `sample` and `turn` (default 0) and `code` (a
+   string, or null: a format error); a row whose `generation_error` is set records a failed
+   request (`Candidate.generation_error`), not an answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
+
+from drkernel.jsonl import iter_jsonl
 
 RUNS_LEVEL = re.compile(r"^level_?(\d+)$")
 RUNS_PROBLEM = re.compile(r"^(?:problem_?)?(\d+)(?:_.*)?$")
@@ -41,14 +54,78 @@ LAYOUT_HELP = (
 
 
 class LayoutError(ValueError):
-    """A candidates path that matches none of the accepted layouts."""
+    """A candidates path that is missing, unreadable or in none of the accepted layouts (for the
+    strict readers also: the first entry that had to be skipped)."""
 
 
-def _candidate(level, problem_id, sample=0, turn=0, path=None, code=None, name=None) -> dict:
-    return {"level": None if level is None else int(level), "problem_id": int(problem_id),
-            "sample": int(sample or 0), "turn": int(turn or 0),
-            "path": None if path is None else str(path), "code": code, "name": name}
+def attempt_name(level: int | None, problem_id: int, sample: int, turn: int, name: str | None = None) -> str:
+    """How reports name one attempt: `level 1 problem 3 sample 0 turn 1`."""
+    problem = f"problem {problem_id}" if level is None else f"level {level} problem {problem_id}"
+    return f"{name or problem} sample {sample} turn {turn}"
 
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One attempt's kernel, as found on disk."""
+
+    level: int | None
+    problem_id: int
+    sample: int = 0
+    turn: int = 0
+    path: str | None = None
+    code: str | None = None
+    name: str | None = None
+    origin: str = ""
+    generation_error: str | None = None
+
+    @property
+    def key(self) -> tuple:
+        return self.level, self.problem_id, self.sample, self.turn, self.name
+
+    def describe(self) -> str:
+        return attempt_name(self.level, self.problem_id, self.sample, self.turn, self.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """An input that was not evaluated, and why."""
+
+    where: str  # a file or directory, or `file:line`
+    reason: str
+    attempt: str = ""  # the attempt it was for, when known (`attempt_name`)
+
+    def __str__(self) -> str:
+        return f"{self.where}: " + (f"{self.attempt}: " if self.attempt else "") + self.reason
+
+
+@dataclasses.dataclass
+class Scan:
+    """What a candidates path held: the usable candidates and the skipped entries."""
+
+    candidates: list[Candidate] = dataclasses.field(default_factory=list)
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
+
+    def add_file(self, path: Path, level: int | None, problem_id: int, sample: int = 0,
+                 name: str | None = None) -> None:
+        """The candidate in `path`, or a skipped entry when it cannot be read as UTF-8 text."""
+        try:
+            code = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            reason = f"not UTF-8 text (byte {exc.start + 1}): not a Python source file"
+        except OSError as exc:
+            reason = f"cannot read it ({exc.strerror or exc})"
+        else:
+            self.candidates.append(Candidate(level, problem_id, sample, 0, str(path), code, name, str(path)))
+            return
+        self.skip(path, reason, attempt_name(level, problem_id, sample, 0, name))
+
+    def skip(self, where: str | Path, reason: str, attempt: str = "") -> None:
+        self.skipped.append(Skipped(str(where), reason, attempt))
+
+
+# --------------------------------------------------------------------------------------
+# directories
+# --------------------------------------------------------------------------------------
 
 def _pick_py(directory: Path) -> Path:
     kernel = directory / "kernel.py"
@@ -57,114 +134,177 @@ def _pick_py(directory: Path) -> Path:
     files = sorted(p for p in directory.glob("*.py") if p.is_file())
     if len(files) == 1:
         return files[0]
-    raise LayoutError(f"{directory}: expected kernel.py or exactly one .py file, found "
-                      f"{len(files)} ({', '.join(p.name for p in files[:5])})")
+    raise LayoutError(f"expected kernel.py or exactly one .py file, found {len(files)} "
+                      f"({', '.join(p.name for p in files[:5])})")
 
 
-def _read(path: Path) -> str:
-    return path.read_text(errors="replace")
+def _numbered_dirs(parent: Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
+    """(number, directory) of the subdirectories of `parent` whose name `pattern` matches."""
+    found = [(pattern.match(p.name), p) for p in sorted(parent.iterdir()) if p.is_dir()]
+    return [(int(m.group(1)), p) for m, p in found if m]
 
 
-def _discover_runs(root: Path) -> list[dict]:
-    out = []
-    for level_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        m = RUNS_LEVEL.match(level_dir.name)
-        if not m:
-            continue
-        level = int(m.group(1))
-        for prob_dir in sorted(p for p in level_dir.iterdir() if p.is_dir()):
-            pm = RUNS_PROBLEM.match(prob_dir.name)
-            if not pm:
-                continue
-            pid = int(pm.group(1))
+def _sample_of(entry: Path) -> int | None:
+    """The sample a problem directory's entry holds: `sample_K.py`, `sample_K/`, `kernel.py` (0)."""
+    if entry.is_dir():
+        m = RUNS_SAMPLE.match(entry.name)
+    elif entry.is_file() and entry.suffix == ".py":
+        m = RUNS_SAMPLE.match(entry.stem)
+        if not m and entry.name == "kernel.py":
+            return 0
+    else:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def _scan_runs(root: Path, scan: Scan) -> None:
+    for level, level_dir in _numbered_dirs(root, RUNS_LEVEL):
+        for pid, prob_dir in _numbered_dirs(level_dir, RUNS_PROBLEM):
             for entry in sorted(prob_dir.iterdir()):
-                stem = entry.stem if entry.is_file() else entry.name
-                sm = RUNS_SAMPLE.match(stem)
-                if entry.is_file() and entry.suffix == ".py" and sm:
-                    path = entry
-                elif entry.is_dir() and sm:
-                    path = _pick_py(entry)
-                elif entry.is_file() and entry.name == "kernel.py":
-                    sm, path = None, entry
-                else:
+                sample = _sample_of(entry)
+                if sample is None:
                     continue
-                out.append(_candidate(level, pid, int(sm.group(1)) if sm else 0, 0, path, _read(path)))
+                try:
+                    path = _pick_py(entry) if entry.is_dir() else entry
+                except LayoutError as exc:
+                    scan.skip(entry, str(exc), attempt_name(level, pid, sample, 0))
+                    continue
+                scan.add_file(path, level, pid, sample)
+
+
+def _scan_flat(root: Path, scan: Scan) -> None:
+    numeric, named = [], []
+    for p in sorted(p for p in root.glob("*.py") if p.is_file()):
+        m = FLAT.match(p.name) or FLAT_KB.match(p.name)
+        if m:
+            numeric.append((p, m))
+        elif NAMED.match(p.name):
+            named.append(p)
+    if numeric and named:
+        raise LayoutError(f"{root}: mixes <level>_<problem_id>.py files with task-named files "
+                          f"({named[0].name}); keep one layout per directory")
+    for p, m in numeric:
+        scan.add_file(p, int(m.group(1)), int(m.group(2)), int(m.group(3) or 0))
+    for p in named:
+        scan.add_file(p, None, int(NAMED.match(p.name).group(1)), name=p.name)
+
+
+def _scan_directory(root: Path) -> Scan:
+    scan = Scan()
+    if any(p.is_dir() and RUNS_LEVEL.match(p.name) for p in root.iterdir()):
+        _scan_runs(root, scan)
+        if not scan.candidates and not scan.skipped:
+            raise LayoutError(f"{root}: level_N directories hold no problem_ID/sample_K.py files. {LAYOUT_HELP}")
+        return scan
+    _scan_flat(root, scan)
+    if not scan.candidates and not scan.skipped:
+        raise LayoutError(f"{root}: no candidates found in a known layout. {LAYOUT_HELP}")
+    return scan
+
+
+# --------------------------------------------------------------------------------------
+# JSONL generations
+# --------------------------------------------------------------------------------------
+
+def _count_field(row: dict, key: str, required: bool) -> int:
+    """The non-negative integer `row[key]` (absent or null: 0 unless required); ValueError says why not."""
+    value = row.get(key)
+    if value is None:
+        if required:
+            raise ValueError(f"missing `{key}`")
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"`{key}` must be a non-negative integer, not {str(value)[:40]!r}")
+    return value
+
+
+def _generation(row: dict, where: str) -> Candidate:
+    """The candidate of one generations row (ValueError: why the row is unusable)."""
+    level, pid = _count_field(row, "level", True), _count_field(row, "problem_id", True)
+    sample, turn = _count_field(row, "sample", False), _count_field(row, "turn", False)
+    code = row.get("code")
+    if code is not None and not isinstance(code, str):
+        raise ValueError(f"`code` must be a string or null, not {json.dumps(code)[:40]}")
+    failed = row.get("generation_error")
+    return Candidate(level, pid, sample, turn, None, code if code and code.strip() else None, None, where,
+                     str(failed) if failed else None)
+
+
+def _row_attempt(row: dict) -> str:
+    """The attempt a bad row names, as far as its fields say (for the report)."""
+    if not all(type(row.get(k)) is int for k in ("level", "problem_id")):
+        return ""
+    sample, turn = row.get("sample"), row.get("turn")
+    return attempt_name(row["level"], row["problem_id"], sample if type(sample) is int else 0,
+                        turn if type(turn) is int else 0)
+
+
+def scan_generations(path: str | Path) -> Scan:
+    """Candidates from a JSONL of generations; every bad line or row is a `Skipped` with its line."""
+    path = Path(path)
+    scan = Scan()
+    try:
+        for line in iter_jsonl(path):
+            where = f"{path}:{line.lineno}"
+            if line.row is None:
+                scan.skip(where, line.error)
+                continue
+            try:
+                scan.candidates.append(_generation(line.row, where))
+            except ValueError as exc:
+                scan.skip(where, str(exc), _row_attempt(line.row))
+    except OSError as exc:
+        raise LayoutError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    return scan
+
+
+# --------------------------------------------------------------------------------------
+# entry points
+# --------------------------------------------------------------------------------------
+
+def _unique(scan: Scan) -> Scan:
+    """The first candidate of each attempt; a later one is skipped, naming the first."""
+    first: dict[tuple, Candidate] = {}
+    out = Scan(skipped=list(scan.skipped))
+    for c in scan.candidates:
+        kept = first.setdefault(c.key, c)
+        if kept is c:
+            out.candidates.append(c)
+        else:
+            out.skip(c.origin, f"a second candidate for this attempt (the first: {kept.origin})", c.describe())
     return out
 
 
-def _discover_flat(root: Path) -> list[dict] | None:
-    files = sorted(p for p in root.glob("*.py") if p.is_file())
-    numeric, named = [], []
-    for p in files:
-        m = FLAT.match(p.name) or FLAT_KB.match(p.name)
-        if m:
-            numeric.append(_candidate(m.group(1), m.group(2), m.group(3) or 0, 0, p, _read(p)))
-            continue
-        n = NAMED.match(p.name)
-        if n:
-            named.append(_candidate(None, n.group(1), 0, 0, p, _read(p), name=p.name))
-    if numeric and named:
-        raise LayoutError(f"{root}: mixes <level>_<problem_id>.py files with task-named files "
-                          f"({named[0]['name']}); keep one layout per directory")
-    return numeric or named or None
-
-
-def _check_unique(cands: list[dict], where: str) -> list[dict]:
-    seen: dict[tuple, str] = {}
-    for c in cands:
-        key = (c["level"], c["problem_id"], c["sample"], c["turn"], c["name"])
-        if key in seen:
-            raise LayoutError(f"{where}: two candidates for level={c['level']} problem={c['problem_id']} "
-                              f"sample={c['sample']} turn={c['turn']}: {seen[key]} and {c['path'] or 'a row'}")
-        seen[key] = str(c["path"] or "a row")
-    return cands
-
-
-def load_generations(path: str | Path) -> list[dict]:
-    """Candidates from a JSONL of generations (`level, problem_id, sample, turn, code`)."""
-    path = Path(path)
-    out = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise LayoutError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
-        if not isinstance(row, dict):
-            raise LayoutError(f"{path}:{lineno}: expected a JSON object per line")
-        missing = [k for k in ("level", "problem_id") if row.get(k) is None]
-        if missing:
-            raise LayoutError(f"{path}:{lineno}: missing {', '.join(missing)}")
-        code = row.get("code")
-        if code is not None and not isinstance(code, str):
-            raise LayoutError(f"{path}:{lineno}: `code` must be a string or null")
-        try:
-            out.append(_candidate(row["level"], row["problem_id"], row.get("sample"), row.get("turn"),
-                                  None, code if code and code.strip() else None))
-        except (TypeError, ValueError):
-            raise LayoutError(f"{path}:{lineno}: level, problem_id, sample and turn must be integers") from None
-    return _check_unique(out, str(path))
-
-
-def discover_candidates(root: str | Path) -> list[dict]:
-    """All candidates under `root` (a directory in one of the layouts, or a `.jsonl`)."""
+def scan_candidates(root: str | Path) -> Scan:
+    """Every candidate under `root` (a directory in one of the layouts, or a `.jsonl`), and what
+    was skipped. LayoutError when `root` itself is unusable."""
     root = Path(root)
     if root.is_file():
         if root.suffix == ".jsonl":
-            return load_generations(root)
+            return _unique(scan_generations(root))
         if root.suffix == ".py":
             raise LayoutError(f"{root}: a single .py is ambiguous (which problem?); put it in a "
                               f"directory as <level>_<problem_id>.py. {LAYOUT_HELP}")
         raise LayoutError(f"{root}: unknown candidates file type. {LAYOUT_HELP}")
     if not root.is_dir():
         raise LayoutError(f"{root}: no such file or directory")
-    if any(p.is_dir() and RUNS_LEVEL.match(p.name) for p in root.iterdir()):
-        cands = _discover_runs(root)
-        if not cands:
-            raise LayoutError(f"{root}: level_N directories hold no problem_ID/sample_K.py files. {LAYOUT_HELP}")
-        return _check_unique(cands, str(root))
-    flat = _discover_flat(root)
-    if flat:
-        return _check_unique(flat, str(root))
-    raise LayoutError(f"{root}: no candidates found in a known layout. {LAYOUT_HELP}")
+    try:
+        return _unique(_scan_directory(root))
+    except OSError as exc:
+        raise LayoutError(f"{root}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _strict(scan: Scan) -> list[dict]:
+    if scan.skipped:
+        raise LayoutError(str(scan.skipped[0]))
+    return [dataclasses.asdict(c) for c in scan.candidates]
+
+
+def discover_candidates(root: str | Path) -> list[dict]:
+    """All candidates under `root` as dicts; LayoutError at the first entry that is not usable."""
+    return _strict(scan_candidates(root))
+
+
+def load_generations(path: str | Path) -> list[dict]:
+    """Candidates (dicts) from a JSONL of generations; LayoutError at the first bad line or row."""
+    return _strict(_unique(scan_generations(path)))

@@ -23,6 +23,8 @@ Definitions (all rates are shares of expected units, so missing units pull them 
   correct and `speedup > p` — *strictly* faster than p, as in KernelBench's
   `fastp` (`speedup > p`), so `fast_1` means "correct and faster than the baseline".
   A correct attempt without a speedup (no timing) only counts for `fast_0`.
+- `fast_p_interval`: Fast@p counted only where the speedup's 95 % interval clears p (its low end
+  is above p), so that a speedup measured as noise does not count: the stricter column.
 - `mean_speedup` / `geomean_speedup`: arithmetic / geometric mean of `speedup` over the
   correct attempts that have a finite positive speedup (None when there are none).
 - `hack_counts`: how often each hack code was flagged, over every evaluated attempt in the
@@ -52,6 +54,11 @@ DEFAULT_P_VALUES = (0, 1, 1.2, 1.5, 2, 3)
 def fast_key(p: float) -> str:
     """`fast_0`, `fast_1`, `fast_1.2`, … (the summary's key for Fast@p)."""
     return f"fast_{float(p):g}"
+
+
+def interval_key(p: float) -> str:
+    """`fast_1_interval`, … (the summary's key for Fast@p counted by the speedup's interval)."""
+    return f"{fast_key(p)}_interval"
 
 
 def unit_key(row: dict) -> tuple[int, int, int]:
@@ -98,6 +105,17 @@ def is_fast(row: dict | None, p: float) -> bool:
     return s is not None and s > p
 
 
+def is_surely_fast(row: dict | None, p: float) -> bool:
+    """Fast at p with the speedup's whole 95 % interval above p (`speedup_interval`)."""
+    if not is_fast(row, p) or p <= 0:
+        return is_fast(row, p)
+    interval = row.get("speedup_interval")
+    try:
+        return float(interval[0]) > p
+    except (TypeError, ValueError, IndexError):
+        return False
+
+
 def _rank(row: dict | None) -> tuple:
     if row is None:
         return (False, -1.0, False, -math.inf)
@@ -117,7 +135,7 @@ def hack_counts(rows: Iterable[dict]) -> dict[str, int]:
 
 
 def _block(chosen: Sequence[dict | None], attempts: Iterable[dict],
-           p_values: Sequence[float]) -> dict:
+           p_values: Sequence[float], intervals: bool = False) -> dict:
     """Metrics over one attempt per unit (`None` = missing) and the attempts in scope."""
     n = len(chosen)
 
@@ -133,6 +151,8 @@ def _block(chosen: Sequence[dict | None], attempts: Iterable[dict],
     }
     for p in p_values:
         out[fast_key(p)] = rate(sum(is_fast(r, p) for r in chosen))
+        if intervals:
+            out[interval_key(p)] = rate(sum(is_surely_fast(r, p) for r in chosen))
     out["mean_speedup"] = sum(speedups) / len(speedups) if speedups else None
     out["geomean_speedup"] = (math.exp(sum(math.log(s) for s in speedups) / len(speedups))
                               if speedups else None)
@@ -183,12 +203,12 @@ def _expected_units(by_key: dict, expected, samples: int | None) -> list[tuple[i
 
 def summarize(rows: Iterable[dict], expected: Iterable[tuple[int, int]] | None = None,
               samples: int | None = None, turns: int | None = None,
-              p_values: Sequence[float] = DEFAULT_P_VALUES) -> dict:
+              p_values: Sequence[float] = DEFAULT_P_VALUES, intervals: bool = False) -> dict:
     """All metrics (see the module docstring) as a JSON-serialisable dict.
 
     `expected`: (level, problem_id) pairs; None = the problems present in `rows`.
     `samples`: samples per problem (None = what the rows show); `turns`: turns per unit
-    (None = 1 + the largest turn in the rows).
+    (None = 1 + the largest turn in the rows). `intervals` adds `fast_p_interval` for every p.
     """
     by_key = _index(rows)
     units = _expected_units(by_key, expected, samples)
@@ -200,19 +220,19 @@ def summarize(rows: Iterable[dict], expected: Iterable[tuple[int, int]] | None =
     per_turn = {}
     for t in range(turns):
         chosen = [by_key.get((*u, t)) for u in units]
-        per_turn[t] = _block(chosen, [r for r in in_scope if int(r.get("turn") or 0) == t], p_values)
+        per_turn[t] = _block(chosen, [r for r in in_scope if int(r.get("turn") or 0) == t], p_values, intervals)
 
     best: dict[tuple, dict | None] = {}
     for u in units:
         cands = [by_key.get((*u, t)) for t in range(turns)]
         best[u] = max(cands, key=_rank) if any(c is not None for c in cands) else None
 
-    overall = _block([best[u] for u in units], in_scope, p_values)
+    overall = _block([best[u] for u in units], in_scope, p_values, intervals)
     per_level = {}
     for level in sorted({u[0] for u in units}):
         lu = [u for u in units if u[0] == level]
         per_level[level] = _block([best[u] for u in lu], [r for r in in_scope if int(r["level"]) == level],
-                                  p_values)
+                                  p_values, intervals)
 
     summary = dict(overall)
     summary.update({

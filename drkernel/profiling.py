@@ -1,11 +1,17 @@
-"""Device-time share of the candidate's own Triton kernels (the paper's profiling-based reward).
+"""Device-time share of the candidate's own Triton kernels that do work its output needs (the
+paper's profiling-based reward, PR).
 
-`profile_cuda` runs a forward a few times under `torch.profiler`, keeps only device kernel events
-(memcpy/memset included) and hands them to `summarize_kernels`, which splits device time into
+The runner runs a forward a few times under `torch.profiler` (`profile_cuda`) and sends the raw
+kernel trace, one (name, launches, µs) row per device kernel name (memcpy/memset included). The
+judge classifies the rows (`summarize_kernels`) into
 
-- `candidate`: kernels launched from the candidate's own `@triton.jit` functions,
+- `candidate`: kernels launched from the candidate's own `@triton.jit` functions, as the judge
+  found them in the candidate's source text (`drkernel.triton_source`), never as the runner names them,
 - `library`:   cuBLAS/cuDNN/CUTLASS/ATen kernels, memcpy/memset,
-- `other`:     everything else (e.g. somebody else's Triton kernels, Inductor output).
+- `other`:     everything else (e.g. somebody else's Triton kernels, Inductor output),
+
+and weighs each candidate kernel's time by the fraction of its launches whose writes reach the
+output (`drkernel.dataflow`): a heavy kernel whose result nothing uses adds device time, not share.
 
 Name matching (deliberately strict; KernelGYM matched by substring, which lets torch's own kernels
 count as the candidate's when the names overlap, e.g. a candidate kernel called `gemm`):
@@ -18,11 +24,8 @@ substring or case-insensitive match. Names are compared after stripping surround
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any, Callable, Iterable
-
-log = logging.getLogger(__name__)
 
 # Triton 2.x appended `_0d1d2de`-style specialisation signatures to the kernel symbol.
 _TRITON_SUFFIX = re.compile(r"_(?=[0-9cde]*[cde])(?:[0-9]+[cde]*)+$")
@@ -64,44 +67,42 @@ def _truncate(name: str, width: int = NAME_WIDTH) -> str:
     return name if len(name) <= width else name[: width - 1] + "…"
 
 
-def summarize_kernels(events: list[tuple[str, float]], candidate_names: set[str],
-                      top_k: int = 10) -> dict:
-    """Split device time (µs per launch) into candidate / library / other shares.
+def summarize_kernels(rows: list[tuple[str, int, float]], candidate_names: set[str],
+                      needed: dict[str, float] | None = None, top_k: int = 10) -> dict:
+    """Split device time (µs) into candidate / library / other shares.
 
-    Returns `triton_time_share`, `library_share`, `other_share` (None when the total is 0),
-    `total_device_ms`, `num_launches` and `kernels`: the `top_k` kernels by total time, each
-    `{name, kind, calls, total_ms, share}`.
+    `rows` are (kernel name, launches, total µs); `needed[name]` is the fraction of that candidate
+    kernel's launches whose writes reach the output (1 when `needed` is None). Returns
+    `triton_time_share` (needed candidate time over all device time), `library_share`,
+    `other_share` (None when the total is 0), `total_device_ms`, `num_launches` and `kernels`: the
+    `top_k` kernels by total time, each `{name, kind, calls, total_ms, share}`.
     """
     names = {str(n).strip() for n in (candidate_names or ()) if n}
     per_kind = {"candidate": 0.0, "library": 0.0, "other": 0.0}
     per_name: dict[str, dict] = {}
-    total = 0.0
-    for name, us in events:
-        name = str(name)
-        us = float(us) if us is not None else 0.0
-        if not us > 0.0:  # negative / NaN / zero durations carry no time
-            us = 0.0
+    total = useful = 0.0
+    launches = 0
+    for name, calls, us in rows:
+        us = us if us > 0.0 else 0.0  # negative / NaN durations carry no time
         kind = classify_kernel(name, names)
         per_kind[kind] += us
         total += us
+        launches += calls
+        if kind == "candidate":
+            useful += us * (1.0 if needed is None else needed.get(name.strip(), 0.0))
         row = per_name.setdefault(name, {"name": _truncate(name), "kind": kind, "calls": 0, "us": 0.0})
-        row["calls"] += 1
+        row["calls"] += calls
         row["us"] += us
 
     def share(x: float) -> float | None:
         return x / total if total > 0 else None
 
-    rows = sorted(per_name.values(), key=lambda r: (-r["us"], r["name"]))[: max(0, top_k)]
+    top = sorted(per_name.values(), key=lambda r: (-r["us"], r["name"]))[: max(0, top_k)]
     kernels = [{"name": r["name"], "kind": r["kind"], "calls": r["calls"],
-                "total_ms": r["us"] / 1000.0, "share": share(r["us"])} for r in rows]
-    return {
-        "triton_time_share": share(per_kind["candidate"]),
-        "library_share": share(per_kind["library"]),
-        "other_share": share(per_kind["other"]),
-        "total_device_ms": total / 1000.0,
-        "num_launches": len(events),
-        "kernels": kernels,
-    }
+                "total_ms": r["us"] / 1000.0, "share": share(r["us"])} for r in top]
+    return {"triton_time_share": share(useful), "library_share": share(per_kind["library"]),
+            "other_share": share(per_kind["other"]), "total_device_ms": total / 1000.0,
+            "num_launches": launches, "kernels": kernels}
 
 
 def _event_us(evt: Any) -> float:
@@ -137,66 +138,29 @@ def _device_events(prof: Any) -> list[tuple[str, float]]:
     return out
 
 
-def profile_cuda(fn: Callable[[], Any], candidate_names: set[str], calls: int = 5,
-                 warmup: int = 1) -> dict | None:
-    """Profile `calls` calls of `fn` on the GPU; `summarize_kernels` of its device kernels + `calls`.
+def _rows(events: list[tuple[str, float]]) -> list[tuple[str, int, float]]:
+    """(name, launches, total µs) per kernel name."""
+    per: dict[str, list] = {}
+    for name, us in events:
+        row = per.setdefault(name, [name, 0, 0.0])
+        row[1] += 1
+        row[2] += us if us > 0.0 else 0.0
+    return [tuple(r) for r in per.values()]
 
-    None when CUDA is unavailable or the profiler fails (logged, never raised). `fn` itself
-    raising is the caller's business: it propagates.
-    """
-    try:
-        import torch
-        if not torch.cuda.is_available():
-            return None
-        from torch.profiler import ProfilerActivity, profile
-    except Exception as exc:  # pragma: no cover - broken torch install
-        log.warning("profiling unavailable: %r", exc)
+
+def profile_cuda(fn: Callable[[], Any], calls: int = 5, warmup: int = 1) -> list[tuple[str, int, float]] | None:
+    """The device kernels of `calls` calls of `fn` under torch.profiler, as (name, launches, µs)
+    rows; None without CUDA. A failure of `fn` or of the profiler propagates (the runner reports
+    it as the profile's error)."""
+    import torch
+    if not torch.cuda.is_available():
         return None
+    from torch.profiler import ProfilerActivity, profile
     for _ in range(max(0, warmup)):
         fn()
     torch.cuda.synchronize()
-    try:
-        prof_cm = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        prof_cm.__enter__()
-    except Exception as exc:
-        log.warning("torch.profiler failed to start: %r", exc)
-        return None
-    try:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(max(1, calls)):
             fn()
             torch.cuda.synchronize()
-    finally:
-        try:
-            prof_cm.__exit__(None, None, None)
-        except Exception as exc:
-            log.warning("torch.profiler failed to stop: %r", exc)
-            prof_cm = None
-    if prof_cm is None:
-        return None
-    try:
-        events = _device_events(prof_cm)
-    except Exception as exc:
-        log.warning("reading profiler events failed: %r", exc)
-        return None
-    summary = summarize_kernels(events, set(candidate_names or ()))
-    summary["calls"] = max(1, calls)
-    return summary
-
-
-def format_kernel_table(summary: dict | None, k: int = 5) -> str:
-    """A compact text table of the top-k kernels plus the share line, for the policy's feedback."""
-    if not summary:
-        return "no device profile (CPU run)"
-    def pct(x):
-        return "n/a" if x is None else f"{100.0 * x:.1f}%"
-    lines = [f"device time {summary.get('total_device_ms', 0.0):.3f} ms over "
-             f"{summary.get('calls', '?')} calls; your Triton kernels {pct(summary.get('triton_time_share'))}, "
-             f"library {pct(summary.get('library_share'))}, other {pct(summary.get('other_share'))}"]
-    kernels = (summary.get("kernels") or [])[:k]
-    if kernels:
-        width = min(NAME_WIDTH, max(len(r["name"]) for r in kernels))
-        lines.append(f"{'kernel':<{width}}  {'kind':<9}  {'calls':>5}  {'ms':>9}  {'share':>6}")
-        for r in kernels:
-            lines.append(f"{r['name'][:width]:<{width}}  {r['kind']:<9}  {r['calls']:>5}  "
-                         f"{r['total_ms']:>9.4f}  {pct(r['share']):>6}")
-    return "\n".join(lines)
+    return _rows(_device_events(prof))

@@ -6,7 +6,8 @@ Evaluations (evaluate.py, generate.py): `write_report(summary, rows, output_dir)
 - `speedup_hist.png`: the speedups of correct attempts, one histogram per level;
 - `per_turn.png`: correct rate and fast_1 per turn (only informative with several turns);
 - `report.md`: the headline metrics, per level, per turn, best-of-turns and hack counts,
-  with links to the plots.
+  what was counted and the skipped inputs (`summary["counted"]`, `summary["skipped"]`, when
+  the summary has them), with links to the plots.
 `format_table(summary)` is the plain-text table that `evaluate.py` prints.
 
 Training runs (RL and SFT): `write_run_report(output_dir, title)` reads the run's
@@ -27,9 +28,13 @@ from typing import Iterable, Sequence
 from drkernel import metrics
 from drkernel.jsonl import read_jsonl, write_json
 
+MAX_SKIPPED_ROWS = 100  # skipped inputs listed in report.md
+
 
 def _columns(summary: dict) -> list[str]:
-    fast = [metrics.fast_key(p) for p in summary.get("p_values", metrics.DEFAULT_P_VALUES)]
+    """Fast@p per p, each followed by its interval-counted column where the summary has one."""
+    fast = [k for p in summary.get("p_values", metrics.DEFAULT_P_VALUES)
+            for k in (metrics.fast_key(p), metrics.interval_key(p)) if k in summary]
     return ["compile_rate", "correct_rate", *fast, "geomean_speedup", "mean_speedup",
             "mean_triton_time_share", "num_samples", "num_missing"]
 
@@ -166,6 +171,20 @@ def _plots(summary: dict, rows: list[dict], out: Path, expected, samples, turns)
     return written
 
 
+def _skipped_section(summary: dict) -> list[str]:
+    """report.md's lines on what was counted and which inputs were skipped (evaluate.py)."""
+    md = ["", "## Counted", "", f"Problems counted: {summary['counted']}."] if summary.get("counted") else []
+    skipped = summary.get("skipped") or []
+    if skipped:
+        md += ["", "## Skipped inputs", "", f"{len(skipped)} input(s) were not evaluated "
+               f"(the first {min(len(skipped), MAX_SKIPPED_ROWS)} below, all in summary.json).", "",
+               "| where | attempt | reason |", "|---|---|---|"]
+        for entry in skipped[:MAX_SKIPPED_ROWS]:
+            cells = (entry["where"], entry["attempt"] or "-", entry["reason"])
+            md.append("| " + " | ".join(" ".join(str(c).split()).replace("|", "\\|") for c in cells) + " |")
+    return md
+
+
 def write_report(summary: dict, rows: Iterable[dict], output_dir: str | os.PathLike,
                  expected=None, samples: int | None = None, turns: int | None = None) -> dict[str, Path]:
     """Write summary.json, the plots and report.md; returns {name: path}.
@@ -205,6 +224,7 @@ def write_report(summary: dict, rows: Iterable[dict], output_dir: str | os.PathL
         md += [f"| {k} | {v} |" for k, v in verdicts.items()]
     if summary.get("mean_phase_s"):
         md += ["", "## Time", "", _phase_line(summary["mean_phase_s"]) + "."]
+    md += _skipped_section(summary)
     md += ["", "## Plots", "", "![Fast@p](fast_p_curve.png)", "", "![Speedups per level](speedup_hist.png)",
            "", "![Per-turn correctness](per_turn.png)", ""]
     (out / "report.md").write_text("\n".join(md))

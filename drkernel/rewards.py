@@ -30,7 +30,7 @@ import random
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from drkernel.evaluator import EvalResult
+    from drkernel.evaltypes import EvalResult
 
 PRS_MISSING_PROFILE = ("reject", "keep")
 

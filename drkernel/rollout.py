@@ -24,7 +24,7 @@ import dataclasses
 import hashlib
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from drkernel.evaluator import EvalResult
+from drkernel.evaltypes import EvalResult
 from drkernel.generation import GenerationConfig, GenOutput
 from drkernel.prompts import (FORMAT_ERROR, extract_code, feedback_message, first_turn_messages, format_error_result,
                               render_prompt, truncate_history)

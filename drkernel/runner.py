@@ -12,37 +12,54 @@ one socket and sees the judge's arena (inputs and output slots, `drkernel.ipc`).
 5. `call` (modes check / warm / time / noop), `profile`, `final`: forward on the inputs the judge
    wrote, the output committed into the judge's slots, and facts sent back.
 
-Everything sent back is a self-report: once candidate code has run here it can rewrite any of it.
-The judge re-derives what it can (values, mutations, its own clock) and only uses the rest for
-hack codes and the profiling share (docs/security.md).
+Every reply echoes the request's nonce and carries a digest of this process's evidence machinery
+(launch hook, data-flow log, integrity checks) keyed by that nonce. Everything sent back is still
+a self-report: once candidate code has run here it can rewrite any of it. The judge re-derives
+what it can (values, mutations, its own clock, kernel names from the source text) and stops this
+process between requests (docs/security.md).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import json
 import os
+import shutil
 import sys
 import time
 import traceback
 from typing import Any
 
-from drkernel import compare, confine, ipc
+from drkernel import channel, compare, confine, dataflow, integrity, ipc, profiling
+from drkernel.channel import evidence_digest
 
 _perf = time.perf_counter  # bound before any candidate code exists
 
 
+def concrete_grid(grid, bound: dict) -> tuple[int, ...]:
+    """The launch grid as Triton will use it: a callable grid is called with the bound arguments."""
+    g = grid(bound) if callable(grid) else grid
+    g = g if isinstance(g, (tuple, list)) else (g,)
+    return tuple(int(x) for x in g)
+
+
 class LaunchRecorder:
-    """Wraps Triton's launch entry points; records (and in noop mode skips) the candidate's kernels."""
+    """Wraps Triton's launch entry points for the candidate's own kernels. Per call it records the
+    real launches (a launch over an empty grid runs nothing and is no launch) and, when a data-flow
+    log is attached, their tensor arguments by parameter. In noop mode each launch is made with an
+    empty grid: the kernel is compiled and Triton's hooks run, but no program executes."""
 
     def __init__(self, candidate_file: str):
         self.candidate_file = os.path.realpath(candidate_file)
-        self.calls: list[dict] = []
+        self.names: list[str] = []
         self.alive: list[Any] = []  # launched tensors stay alive until the call ends (allocator reuse)
         self.noop = False
+        self.flow: dataflow.FlowLog | None = None
         self.expected_stream: Any = None
         self.off_stream: set[str] = set()
         self._mine: dict[Any, bool] = {}
+        self._signatures: dict[Any, inspect.Signature] = {}
         self.installed: dict[str, tuple[Any, str]] = {}
 
     def install(self) -> dict[str, tuple[Any, str]]:
@@ -63,15 +80,26 @@ class LaunchRecorder:
         rec = self
 
         def run(kernel, *args, grid, warmup, **kwargs):
-            mine = not warmup and rec._is_mine(kernel)
-            if mine and rec.noop:
-                return None
-            ret = orig(kernel, *args, grid=grid, warmup=warmup, **kwargs)
-            if mine:
-                rec._record(kernel, args, kwargs)
-            return ret
+            if warmup or not rec._is_mine(kernel):
+                return orig(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            return rec._launch(orig, kernel, args, kwargs, grid)
 
         return run
+
+    def _launch(self, orig, kernel, args: tuple, kwargs: dict, grid):
+        bound = self._bind(kernel, args, kwargs)
+        grid = concrete_grid(grid, bound)
+        real = bool(grid) and all(g > 0 for g in grid) and not self.noop
+        if self.flow is not None:
+            self.flow.paused += 1  # Triton's interpreter moves its arguments with torch ops
+        try:
+            ret = orig(kernel, *args, grid=grid if not self.noop else (0,) * len(grid), warmup=False, **kwargs)
+        finally:
+            if self.flow is not None:
+                self.flow.paused -= 1
+        if real:
+            self._record(kernel, bound)
+        return ret
 
     def _is_mine(self, kernel) -> bool:
         code = getattr(getattr(kernel, "fn", None), "__code__", None)
@@ -81,21 +109,32 @@ class LaunchRecorder:
             self._mine[code] = os.path.realpath(code.co_filename) == self.candidate_file
         return self._mine[code]
 
-    def _record(self, kernel, args, kwargs) -> None:
+    def _bind(self, kernel, args: tuple, kwargs: dict) -> dict:
+        """The kernel's parameters by name (defaults applied), as a grid callable expects them."""
+        fn = kernel.fn
+        sig = self._signatures.get(fn.__code__) or self._signatures.setdefault(fn.__code__, inspect.signature(fn))
+        bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters})
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
+    def _record(self, kernel, bound: dict) -> None:
         import torch
-        name = getattr(getattr(kernel, "fn", None), "__name__", "?")
+        name = kernel.fn.__name__
         if self.expected_stream is not None and torch.cuda.current_stream() != self.expected_stream:
             self.off_stream.add(name)
-        ts = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        self.alive.extend(ts)
-        self.calls.append({"name": name, "ranges": compare.data_ranges(ts), "storage": compare.ranges(ts)})
+        ts = [(p, v) for p, v in bound.items() if isinstance(v, torch.Tensor)]
+        self.alive.extend(t for _, t in ts)
+        self.names.append(name)
+        if self.flow is not None:
+            self.flow.launch(name, ts)
 
-    def begin(self) -> None:
-        self.calls, self.alive = [], []
+    def begin(self, noop: bool = False, flow: dataflow.FlowLog | None = None) -> None:
+        self.names, self.alive, self.noop, self.flow = [], [], noop, flow
 
-    def end(self) -> list[dict]:
-        calls, self.calls, self.alive = self.calls, [], []
-        return calls
+    def end(self) -> list[str]:
+        names = self.names
+        self.names, self.alive, self.noop, self.flow = [], [], False, None
+        return names
 
 
 class Runner:
@@ -108,11 +147,15 @@ class Runner:
         self.seed = 0
         self.ref_mod: Any = None
         self.recorder: LaunchRecorder | None = None
+        self.candidate = ""
+        self.keys: dataflow.Keys | None = None
         self.inputs: list = []
         self.slots: list = []
         self.structure: Any = None
         self.model: Any = None
         self.snapshot: Any = None
+        self.watched: dict[str, tuple[Any, str]] = {}
+        self.evidence_state = ""
         self.threads0: set[int] = set()
         self.prev_out: Any = None
 
@@ -135,37 +178,38 @@ class Runner:
         return {"ok": True}
 
     def attach(self, msg: dict) -> dict:
-        from drkernel import integrity
         torch = self.torch
         layout = ipc.Layout.from_dict(msg["layout"])
         arena = ipc.attach(msg["handle"])
+        self.keys = dataflow.Keys(arena)
         self.inputs = [ipc.view(arena, s) if s else v for s, v in zip(layout.inputs, layout.input_values)]
         self.slots = [ipc.view(arena, s) for s in layout.outputs]
         self.structure = msg["structure"]
         import torch._dynamo  # noqa: F401  (rebinds torch.manual_seed: before the snapshot)
         import torch.profiler  # noqa: F401
-        confine.restrict(self.job_dir, self.report)
-        watched = self.recorder.install()
-        for mod in (sys.modules[__name__], compare, ipc, integrity):
-            watched.update({f"{mod.__name__}.{k}": (mod, k) for k, v in vars(mod).items()
-                            if callable(v) and not k.startswith("__")})
+        confine.restrict(self.job_dir, self.report, hidden=msg.get("hidden") or [])
+        self.watched = {**self.recorder.install(), **_evidence_machinery()}
         if self.device.type == "cuda":
             self.recorder.expected_stream = torch.cuda.current_stream(self.device)
         with torch.no_grad():
-            self.snapshot = integrity.IntegritySnapshot(extra=watched)
+            self.snapshot = integrity.IntegritySnapshot(extra=self.watched)
         self.threads0 = integrity.python_threads()
-        return {"ok": True, "confinement": self.report.to_dict()}
+        self.evidence_state = _describe_state(self.watched)
+        _forget_harness_modules()
+        return {"ok": True, "confinement": self.report.to_dict(), "evidence_state": self.evidence_state}
 
     def load(self, msg: dict) -> dict:
-        torch = self.torch
+        """The model built: `ModelNew` of the candidate, or (the reference twin) `Model` of the
+        reference, compiled with torch.compile when asked."""
+        torch, name = self.torch, str(msg.get("cls", "ModelNew"))
         try:
             with torch.no_grad():
                 mod = import_file(self.candidate, "_drk_candidate")
         except BaseException as exc:  # noqa: BLE001 - any failure of untrusted code is a verdict
             return {"error": _describe(exc), "stage": "import"}
-        cls = getattr(mod, "ModelNew", None)
+        cls = getattr(mod, name, None)
         if cls is None:
-            return {"error": "no ModelNew defined in the candidate", "stage": "import"}
+            return {"error": f"no {name} defined in the candidate", "stage": "import"}
         with torch.no_grad():
             findings = self.integrity("after import")
         try:
@@ -174,51 +218,46 @@ class Runner:
                 findings += self.integrity("after construction")
         except BaseException as exc:  # noqa: BLE001
             return {"error": _describe(exc), "stage": "construct", "findings": findings}
+        if msg.get("compile"):
+            self.model = torch.compile(self.model)
         return {"ok": True, "findings": findings}
 
     # ---- calls --------------------------------------------------------------------------
 
     def call(self, msg: dict) -> dict:
         mode = msg.get("mode")
-        if mode == "null":
-            if self.model is not None:
-                return {"error": "null calls calibrate before the candidate exists"}
-            forward = _NullForward(self.slots)
-        else:
-            forward = self.model
-        torch = self.torch
-        self.recorder.begin()
-        self.recorder.noop = mode == "noop"
+        if mode == "null" and self.model is not None:
+            return {"error": "null calls calibrate before the candidate exists"}
+        forward = _NullForward(self.slots) if mode == "null" else self.model
+        flow = dataflow.FlowLog(self.keys) if mode in ("check", "noop") else None
+        self.recorder.begin(noop=mode == "noop", flow=flow)
         try:
-            with torch.no_grad():  # the snapshot was taken in no_grad: compare in the same mode
-                ms, out = self._timed(forward)
+            with self.torch.no_grad():  # the snapshot was taken in no_grad: compare in the same mode
+                ms, out = self._timed(forward, flow)
                 findings = self.integrity("call") if mode == "check" else []
         except BaseException as exc:  # noqa: BLE001
             self.recorder.end()
             return {"error": _describe(exc), "cuda": "CUDA" in str(exc) or "illegal memory" in str(exc)}
-        finally:
-            self.recorder.noop = False
-        launches = self.recorder.end()
-        reply = {"ms": ms, "launches": len(launches)}
-        reply.update(self._commit(out))
+        names = self.recorder.end()
+        reply = {"ms": ms, "launches": len(names), "kernels": sorted(set(names)), **self._commit(out)}
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if mode in ("check", "noop"):
-            reply.update(self._facts(out, launches))
+            self.torch.cuda.synchronize(self.device)
+        if flow is not None:
+            reply.update(self._facts(out, flow))
         if findings:
             reply["findings"] = findings
         self.prev_out = out if mode == "check" else None
         return reply
 
-    def _timed(self, forward) -> tuple[float, Any]:
+    def _timed(self, forward, flow: dataflow.FlowLog | None) -> tuple[float, Any]:
         torch = self.torch
         if self.device.type != "cuda":
             t0 = _perf()
-            out = forward(*self.inputs)
+            out = _forward(forward, self.inputs, flow)
             return (_perf() - t0) * 1e3, out
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        out = forward(*self.inputs)
+        out = _forward(forward, self.inputs, flow)
         end.record()
         end.synchronize()
         return start.elapsed_time(end), out
@@ -241,25 +280,21 @@ class Runner:
             slot.copy_(t)
         return {}
 
-    def _facts(self, out, launches: list[dict]) -> dict:
-        """What only this process can see: types, storage sharing, which tensors the kernels touched."""
+    def _facts(self, out, flow: dataflow.FlowLog) -> dict:
+        """What only this process can see: types, storage sharing and the data-flow log."""
         outs = compare.tensors(out)
         out_ranges = compare.data_ranges(outs)
         in_ranges = compare.data_ranges(compare.tensors(self.inputs))
-        launch_ranges = [tuple(r) for call in launches for r in call["ranges"]]
         prev = compare.ranges(compare.tensors(self.prev_out)) if self.prev_out is not None else []
         return {"bad_type": compare.bad_type(out),
-                "kernels": sorted({c["name"] for c in launches}),
                 "aliases_input": compare.overlap(out_ranges, in_ranges),
                 "reuses_previous_output": compare.overlap(compare.ranges(outs), prev),
-                "output_from_kernels": bool(out_ranges) and compare.overlap(out_ranges, launch_ranges),
-                "launch_bytes": sum(b - a for a, b in {tuple(r) for r in launch_ranges}),
-                "io_bytes": compare.nbytes(outs) + compare.nbytes(compare.tensors(self.inputs)),
-                "off_stream": sorted(self.recorder.off_stream)}
+                "off_stream": sorted(self.recorder.off_stream),
+                "flow": {"events": [e.to_list() for e in flow.events], "truncated": flow.truncated,
+                         "outputs": [self.keys.key(t) for t in outs]}}
 
     def integrity(self, where: str) -> list[list[str]]:
         """The snapshot compared with now; callers are inside no_grad, as the snapshot was."""
-        from drkernel import integrity
         found = []
         patched = self.snapshot.patched()
         changes = self.snapshot.state_changes()
@@ -273,39 +308,83 @@ class Runner:
         return found
 
     def profile(self, msg: dict) -> dict:
-        from drkernel import profiling
-        names = set(msg.get("kernels") or [])
-
-        def fn():
-            self.recorder.begin()
-            try:
-                with self.torch.no_grad():
-                    self.model(*self.inputs)
-            finally:
-                self.recorder.end()  # else the launch hook keeps every profiled call's tensors alive
+        """Device kernels of a few profiled calls, as (name, launches, total µs) rows; the judge
+        classifies and weighs them."""
         try:
-            return {"profile": profiling.profile_cuda(fn, names, calls=int(msg.get("calls", 5)))}
+            rows = profiling.profile_cuda(self._profiled_call, calls=int(msg.get("calls", 5)))
         except BaseException as exc:  # noqa: BLE001
             return {"error": _describe(exc)}
+        return {"profile": {"rows": rows, "calls": int(msg.get("calls", 5))}}
+
+    def _profiled_call(self) -> None:
+        self.recorder.begin()
+        try:
+            with self.torch.no_grad():
+                self.model(*self.inputs)
+        finally:
+            self.recorder.end()  # else the launch hook keeps every profiled call's tensors alive
+
+    def final(self, msg: dict) -> dict:
+        with self.torch.no_grad():
+            findings = self.integrity("final")
+        cuda = self.device is not None and self.device.type == "cuda"
+        return {"findings": findings, "memory_peak": self.torch.cuda.max_memory_reserved(self.device) if cuda else None}
 
     def handle(self, msg: dict) -> dict:
         op = msg.get("op")
-        if op == "init":
-            return self.init(msg)
-        if op == "attach":
-            return self.attach(msg)
-        if op == "load":
-            return self.load(msg)
-        if op == "call":
-            return self.call(msg)
-        if op == "profile":
-            return self.profile(msg)
-        if op == "final":
-            with self.torch.no_grad():
-                findings = self.integrity("final")
-            cuda = self.device is not None and self.device.type == "cuda"
-            return {"findings": findings, "memory_peak": self.torch.cuda.max_memory_reserved(self.device) if cuda else None}
-        return {"error": f"unknown op {op!r}"}
+        handler = {"init": self.init, "attach": self.attach, "load": self.load, "call": self.call,
+                   "profile": self.profile, "final": self.final}.get(op)
+        return handler(msg) if handler is not None else {"error": f"unknown op {op!r}"}
+
+    def evidence(self, nonce: str) -> str | None:
+        """A digest of the evidence machinery as it is now, keyed by the request's nonce."""
+        return evidence_digest(nonce, _describe_state(self.watched)) if self.watched else None
+
+
+def _forget_harness_modules() -> None:
+    """This package leaves `sys.modules`: candidate code cannot import its way to the live
+    recorder or integrity checks (an import would load fresh copies with no hold on them)."""
+    for name in [m for m in sys.modules if m == "drkernel" or m.startswith("drkernel.")]:
+        del sys.modules[name]
+
+
+def _forward(forward, inputs: list, flow: dataflow.FlowLog | None):
+    if flow is None:
+        return forward(*inputs)
+    with flow:
+        return forward(*inputs)
+
+
+def _evidence_machinery() -> dict[str, tuple[Any, str]]:
+    """(owner, attribute) of every function and class the evidence depends on: this module's,
+    the data-flow log's, the integrity checks', the profiler summary's and the comparisons'."""
+    out: dict[str, tuple[Any, str]] = {}
+    for mod in (sys.modules[__name__], channel, compare, ipc, integrity, dataflow, profiling, confine):
+        for k, v in vars(mod).items():
+            if callable(v) and not k.startswith("__"):
+                out[f"{mod.__name__}.{k}"] = (mod, k)
+            if isinstance(v, type) and v.__module__ == mod.__name__:
+                out.update({f"{mod.__name__}.{k}.{a}": (v, a) for a in vars(v) if not a.startswith("__")})
+    return out
+
+
+def _describe_state(watched: dict[str, tuple[Any, str]]) -> str:
+    """Identities of the watched objects, their code and their closures' contents, as text."""
+    parts = []
+    for label in sorted(watched):
+        obj = integrity.own_attribute(*watched[label])
+        fn = getattr(obj, "__func__", obj)
+        cells = [id(c.cell_contents) for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+        parts.append(f"{label}:{id(obj)}:{id(getattr(fn, '__code__', None))}:{cells}")
+    return "\n".join(parts)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 class _NullForward:
@@ -352,17 +431,18 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:600] + "\n" + tb[-800:]
 
 
-def preflight(candidate_path: str) -> dict:
+def preflight(candidate_path: str, hidden: list[str]) -> dict:
     """A sandbox target run before the judge's job, with no GPU visible: the candidate imported
     once in a confined process of its own, so that a candidate that cannot even be imported costs
     no GPU time. The answer is a self-report: a failure can only cost the candidate itself (the
     evaluator accepts only failures that cannot depend on the missing GPU), and success decides
     nothing."""
     job_dir = os.getcwd()  # the sandbox child's own directory
+    candidate_path = shutil.copy(candidate_path, job_dir)  # the original lies in a hidden directory
     report = confine.Confinement()
     confine.enter_network_namespace(report)
     confine.point_caches_at(job_dir)
-    confine.restrict(job_dir, report)
+    confine.restrict(job_dir, report, hidden=hidden)
     if not report.complete:
         return {"skipped": "could not be confined"}
     try:
@@ -375,7 +455,7 @@ def preflight(candidate_path: str) -> dict:
 
 
 def main(sock_fd: int, job_dir: str) -> None:
-    """Serve the judge until it says `exit` or goes away."""
+    """Serve the judge until it says `exit` or goes away. Every reply echoes the request's nonce."""
     report = confine.Confinement()
     confine.enter_network_namespace(report)
     confine.point_caches_at(job_dir)
@@ -391,4 +471,6 @@ def main(sock_fd: int, job_dir: str) -> None:
             reply = runner.handle(msg)
         except BaseException as exc:  # noqa: BLE001 - our own failure still gets an answer
             reply = {"error": _describe(exc)}
-        ipc.send(sock_fd, json.loads(json.dumps(reply, default=str)))
+        nonce = str(msg.get("nonce", ""))
+        reply = {**json.loads(json.dumps(reply, default=str)), "nonce": nonce, "evidence": runner.evidence(nonce)}
+        ipc.send(sock_fd, reply)

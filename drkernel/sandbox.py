@@ -11,8 +11,6 @@ Pieces:
 * ``ForkServer`` -- owns one zygote; ``run("pkg.mod:fn", kwargs, limits)`` returns a
   ``SandboxResult``. The zygote is restarted transparently if it dies.
 * ``SandboxPool`` -- several ForkServers (e.g. one per GPU) with an ordered ``map``.
-* ``DeviceLock`` -- a readers-writer ``flock`` per GPU: shared for GPU work, alone for timing.
-* ``MemoryLedger`` -- GPU memory promised to the jobs on one GPU; a job waits until its share fits.
 
 Protocol (parent <-> zygote): 8-byte big-endian length + UTF-8 JSON, over the zygote's
 stdin/stdout, which the zygote moves to private descriptors at start so that stray prints
@@ -21,7 +19,8 @@ cannot corrupt the stream. Per job the zygote answers ``started`` (child pid) an
 in its private temp dir, so a dying child can at worst leave no file.
 
 Supervision happens in the zygote (single-threaded; it forks only from its main thread):
-wall-clock timeout, RSS of every process of the job, and the number of those processes.
+wall-clock timeout, RSS of every process of the job, the number of those processes and of their
+threads.
 The job's processes are the child's process group plus every descendant of the zygote
 (the zygote is a child subreaper, so grandchildren that ``setsid`` or are orphaned still
 count). Everything is killed with SIGKILL when the job ends.
@@ -33,7 +32,6 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
-import fcntl
 import importlib
 import json
 import os
@@ -51,7 +49,9 @@ import threading
 import time
 import traceback as _traceback
 import weakref
-from typing import Any, Iterator
+from typing import Any
+
+from drkernel import procfs
 
 STATUSES = ("ok", "exception", "timeout", "signal", "exit_no_result", "oom", "oversized_result",
             "sandbox_error")
@@ -59,7 +59,6 @@ STATUSES = ("ok", "exception", "timeout", "signal", "exit_no_result", "oom", "ov
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _HEADER = struct.Struct(">Q")
 _POLL_S = 0.05
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -79,6 +78,7 @@ class SandboxLimits:
     max_file_mb: int = 1024
     max_open_files: int = 1024
     max_procs: int = 64
+    max_threads: int = 1024  # over all the job's processes (torch starts one per core in each)
     max_output_chars: int = 20000
     max_result_bytes: int = 32 * 2**20
     address_space_mb: int | None = None
@@ -166,39 +166,23 @@ def _recv(fd: int, deadline: float | None = None) -> dict | None:
 # Process inspection (zygote side)
 # ======================================================================================
 
-def _proc_table() -> dict[int, tuple[str, int, int, int]]:
-    """pid -> (state, ppid, pgid, rss_bytes) for every process, from /proc/<pid>/stat.
-    (The stat ``rss`` field is the same number as VmRSS in /proc/<pid>/status.)"""
-    table = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                raw = fh.read()
-        except OSError:
-            continue
-        rest = raw[raw.rfind(b")") + 2:].split()  # comm may contain spaces and parens
-        try:
-            table[int(name)] = (rest[0].decode(), int(rest[1]), int(rest[2]), int(rest[21]) * _PAGE)
-        except (IndexError, ValueError):
-            continue
-    return table
+def _proc_table() -> dict[int, procfs.Stat]:
+    """pid -> /proc/<pid>/stat for every process."""
+    return {pid: st for pid in procfs.pids() if (st := procfs.stat(pid)) is not None}
 
 
-def _job_processes(root: int, pgid: int) -> dict[int, tuple[str, int, int, int]]:
+def _job_processes(root: int, pgid: int) -> dict[int, procfs.Stat]:
     """Processes of the running job: the job's process group and all descendants of ``root``
     (the zygote, which is a subreaper), minus the zygote itself."""
     table = _proc_table()
     children: dict[int, list[int]] = {}
-    for pid, (_, ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found = {pid for pid, info in table.items() if info[2] == pgid}
+    for pid, st in table.items():
+        children.setdefault(st.ppid, []).append(pid)
+    found = {pid for pid, st in table.items() if st.pgrp == pgid}
     stack = list(children.get(root, []))
     while stack:
         pid = stack.pop()
-        if pid not in found:
-            found.add(pid)
+        found.add(pid)
         stack.extend(children.get(pid, []))
     found.discard(root)
     return {pid: table[pid] for pid in found if pid in table}
@@ -209,8 +193,8 @@ def _signal_job(root: int, pgid: int) -> dict:
     with contextlib.suppress(OSError):
         os.killpg(pgid, signal.SIGKILL)
     procs = _job_processes(root, pgid)
-    for pid, info in procs.items():
-        if info[0] != "Z":
+    for pid, st in procs.items():
+        if st.state != "Z":
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     return procs
@@ -394,9 +378,8 @@ def _supervise(pid: int, lim: SandboxLimits, t0: float) -> tuple[int, str | None
             if done == pid:
                 return status, reason, peak
             if reason is None:
-                procs = _job_processes(root, pid)
-                live = [info for info in procs.values() if info[0] != "Z"]
-                rss_mb = sum(info[3] for info in live) / 2**20
+                live = [st for st in _job_processes(root, pid).values() if st.state != "Z"]
+                rss_mb = sum(st.rss_bytes for st in live) / 2**20
                 peak = max(peak, rss_mb)
                 if time.monotonic() > deadline:
                     reason = "timeout"
@@ -404,6 +387,8 @@ def _supervise(pid: int, lim: SandboxLimits, t0: float) -> tuple[int, str | None
                     reason = "oom"
                 elif len(live) > lim.max_procs:
                     reason = "procs"
+                elif sum(st.threads for st in live) > lim.max_threads:
+                    reason = "threads"
                 elif os.getppid() != parent:  # the trainer is gone: stop everything
                     reason = "orphaned"
             if reason is not None:
@@ -430,6 +415,8 @@ def _classify(status: int, reason: str | None, result_path: str, lim: SandboxLim
         return {**out, "status": "oom", "error": f"memory over {lim.max_rss_mb} MB (RSS of the job)"}
     if reason == "procs":
         return {**out, "status": "exception", "error": f"too many processes (more than {lim.max_procs})"}
+    if reason == "threads":
+        return {**out, "status": "exception", "error": f"too many threads (more than {lim.max_threads})"}
     if reason == "orphaned":
         return {**out, "status": "sandbox_error", "error": "the parent process went away"}
     if out["signal"] is not None:
@@ -467,22 +454,31 @@ def _classify(status: int, reason: str | None, result_path: str, lim: SandboxLim
     return {**out, "status": "ok", "value": payload["value"]}
 
 
-def _fork_runner(job: dict, workdir: str, pipe_fds: tuple[int, int]) -> tuple[int, socket.socket]:
-    """Fork the job's runner (it gets one end of a socket pair, the judge the other) before the
-    judge's result path exists, so that not even a copy of it is in the runner's memory."""
-    runner_dir = os.path.join(workdir, "runner")
-    os.mkdir(runner_dir, 0o700)
-    mine, theirs = socket.socketpair()
-    pid = os.fork()
-    if pid == 0:
-        mine.close()
-        spec = job["runner"]
-        _child_main({**job, "target": spec["target"],
-                     "kwargs": {**spec.get("kwargs", {}), "sock_fd": theirs.fileno(), "job_dir": runner_dir}},
-                    runner_dir, os.path.join(runner_dir, ".unused"), pipe_fds)
-    theirs.close()
-    job["kwargs"] = {**job["kwargs"], "runner_fd": mine.fileno(), "runner_pid": pid, "runner_dir": runner_dir}
-    return pid, mine
+def _fork_runners(job: dict, workdir: str, pipe_fds: tuple[int, int]) -> list[socket.socket]:
+    """Fork the job's runners (each gets one end of a socket pair, the judge the other) before the
+    judge's result path exists, so that not even a copy of it is in their memory. A runner keeps
+    no end of another runner's socket."""
+    mine: list[socket.socket] = []
+    fds, pids, dirs = [], [], []
+    for k, spec in enumerate(job.get("runners") or []):
+        runner_dir = os.path.join(workdir, f"runner{k}")
+        os.mkdir(runner_dir, 0o700)
+        judge_end, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:
+            for sock in (*mine, judge_end):
+                sock.close()
+            _child_main({**job, "target": spec["target"],
+                         "kwargs": {**spec.get("kwargs", {}), "sock_fd": theirs.fileno(), "job_dir": runner_dir}},
+                        runner_dir, os.path.join(runner_dir, ".unused"), pipe_fds)
+        theirs.close()
+        mine.append(judge_end)
+        fds.append(judge_end.fileno())
+        pids.append(pid)
+        dirs.append(runner_dir)
+    if mine:
+        job["kwargs"] = {**job["kwargs"], "runner_fds": fds, "runner_pids": pids, "runner_dirs": dirs}
+    return mine
 
 
 def _zygote_job(job: dict, pipe_fds: tuple[int, int]) -> dict:
@@ -492,14 +488,12 @@ def _zygote_job(job: dict, pipe_fds: tuple[int, int]) -> dict:
         with contextlib.suppress(Exception):
             stream.flush()
     t0 = time.monotonic()
-    sock = None
-    if job.get("runner"):
-        _, sock = _fork_runner(job, workdir, pipe_fds)
+    socks = _fork_runners(job, workdir, pipe_fds)
     result_path = os.path.join(workdir, f".result-{os.urandom(8).hex()}.json")
     pid = os.fork()
     if pid == 0:
         _child_main(job, workdir, result_path, pipe_fds)  # never returns
-    if sock is not None:
+    for sock in socks:
         sock.close()
     try:
         _send(pipe_fds[1], {"op": "started", "pid": pid, "workdir": workdir})
@@ -704,17 +698,18 @@ class ForkServer:
     # ---- jobs --------------------------------------------------------------------------
 
     def run(self, target: str, kwargs: dict | None = None, limits: SandboxLimits | dict | None = None,
-            env: dict | None = None, cwd: str | None = None, runner: dict | None = None) -> SandboxResult:
+            env: dict | None = None, cwd: str | None = None, runners: list[dict] | None = None) -> SandboxResult:
         """Run ``target`` ("pkg.module:function") as ``function(**kwargs)`` in a fresh child.
-        With ``runner`` ({"target", "kwargs"}) a second child is forked first and called with
-        ``sock_fd`` and ``job_dir`` (its own directory); the first gets ``runner_fd``, ``runner_pid``
-        and ``runner_dir``. Both belong to the job: limits, the kill at its end.
+        With ``runners`` (a list of {"target", "kwargs"}) one more child per entry is forked first
+        and called with ``sock_fd`` and ``job_dir`` (its own directory); the first child gets the
+        lists ``runner_fds``, ``runner_pids`` and ``runner_dirs``. All belong to the job: limits,
+        the kill at its end.
         Never raises for anything the children do; raises only for bad arguments."""
         if not isinstance(target, str) or ":" not in target:
             raise ValueError(f"target must be 'package.module:function', got {target!r}")
         lim = _as_limits(limits)
         job = {"op": "run", "target": target, "kwargs": dict(kwargs or {}), "limits": lim.to_dict(),
-               "env": {str(k): str(v) for k, v in (env or {}).items()}, "cwd": cwd, "runner": runner}
+               "env": {str(k): str(v) for k, v in (env or {}).items()}, "cwd": cwd, "runners": runners}
         body = json.dumps(job).encode()  # TypeError here: kwargs must be JSON-serialisable
         t0 = time.monotonic()
         with self._lock:
@@ -786,10 +781,10 @@ class SandboxPool:
             self._free.put(server)
 
     def run(self, target: str, kwargs: dict | None = None, limits: SandboxLimits | dict | None = None,
-            env: dict | None = None, cwd: str | None = None, runner: dict | None = None) -> SandboxResult:
+            env: dict | None = None, cwd: str | None = None, runners: list[dict] | None = None) -> SandboxResult:
         server = self._free.get()
         try:
-            return server.run(target, kwargs, limits=limits, env=env, cwd=cwd, runner=runner)
+            return server.run(target, kwargs, limits=limits, env=env, cwd=cwd, runners=runners)
         finally:
             self._free.put(server)
 
@@ -807,160 +802,6 @@ class SandboxPool:
         with contextlib.suppress(Exception):
             for server in self.servers:
                 server.close(wait=False)
-
-
-class DeviceLock:
-    """A readers-writer lock on one GPU across processes (two ``flock`` files).
-
-    Evaluations hold it *shared* for GPU work whose numbers enter no verdict (building models,
-    correctness calls), and *alone* for work whose numbers do (timing, calibration, profiling),
-    so a verdict never depends on what neighbours run. A writer first waits ``patience_s`` for a
-    moment with no readers, while readers keep the GPU busy (a reader may be compiling for a
-    second); then it takes a gate that new readers must pass, so a stream of readers cannot starve
-    it. ``waited`` sums the seconds spent waiting per mode. ``DRKERNEL_LOCK_DIR`` (default /tmp,
-    not TMPDIR, which is private per job) holds the files."""
-
-    def __init__(self, index: int | str, timeout_s: float | None = None, patience_s: float = 1.0):
-        self.path = os.path.join(os.environ.get("DRKERNEL_LOCK_DIR", "/tmp"), f"drkernel-device-{index}.lock")
-        self.timeout_s = timeout_s
-        self.patience_s = patience_s
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        self._gate = os.open(self.path + ".gate", os.O_RDWR | os.O_CREAT, 0o666)
-        self.mode: str | None = None  # None, "shared" or "alone"
-        self.waited = {"shared": 0.0, "alone": 0.0}
-
-    def _try(self, fd: int, op: int, seconds: float | None) -> bool:
-        """`flock(fd, op)`, waiting at most `seconds` (None: for as long as it takes)."""
-        if seconds is None:
-            fcntl.flock(fd, op)
-            return True
-        end = time.monotonic() + seconds
-        while True:
-            try:
-                fcntl.flock(fd, op | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.monotonic() > end:
-                    return False
-                time.sleep(0.005)
-
-    def _flock(self, fd: int, op: int, end: float | None) -> None:
-        if not self._try(fd, op, None if end is None else max(0.0, end - time.monotonic())):
-            raise TimeoutError(f"device lock {self.path} is busy") from None
-
-    def acquire(self, alone: bool) -> float:
-        """Take the lock shared or alone; returns the seconds waited."""
-        t0 = time.monotonic()
-        end = None if self.timeout_s is None else t0 + self.timeout_s
-        patience = self.patience_s if self.timeout_s is None else min(self.patience_s, self.timeout_s)
-        if not (alone and self._try(self._fd, fcntl.LOCK_EX, patience)):
-            self._flock(self._gate, fcntl.LOCK_EX, end)
-            try:
-                self._flock(self._fd, fcntl.LOCK_EX if alone else fcntl.LOCK_SH, end)
-            finally:
-                fcntl.flock(self._gate, fcntl.LOCK_UN)
-        self.mode = "alone" if alone else "shared"
-        waited = time.monotonic() - t0
-        self.waited[self.mode] += waited
-        return waited
-
-    def release(self) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        self.mode = None
-
-    @contextlib.contextmanager
-    def alone(self) -> Iterator[None]:
-        """The GPU to this holder alone for a while; back to the previous mode afterwards."""
-        before = self.mode
-        if before == "alone":
-            yield
-            return
-        if before is not None:
-            self.release()
-        self.acquire(alone=True)
-        try:
-            yield
-        finally:
-            self.release()
-            if before is not None:
-                self.acquire(alone=False)
-
-    def close(self) -> None:
-        for fd in (self._fd, self._gate):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-
-class MemoryLedger:
-    """GPU memory promised to the evaluations on one GPU, across processes: each holder writes
-    its estimate to a file named after its pid; the sum over live pids is what is promised. A
-    job is admitted when its estimate fits beside the others' (or when it would be alone), so
-    that concurrent jobs do not run each other out of memory. A holder that dies without
-    releasing frees its share, since its pid is gone."""
-
-    def __init__(self, index: int | str, capacity_bytes: int):
-        self.dir = os.path.join(os.environ.get("DRKERNEL_LOCK_DIR", "/tmp"), f"drkernel-device-{index}.memory")
-        os.makedirs(self.dir, exist_ok=True)
-        self.capacity = int(capacity_bytes)
-        self.mine = os.path.join(self.dir, str(os.getpid()))
-
-    def _others(self) -> int:
-        """Bytes promised to other live processes (files of dead ones are removed)."""
-        total = 0
-        for name in os.listdir(self.dir):
-            if not name.isdigit() or int(name) == os.getpid():
-                continue
-            try:
-                os.kill(int(name), 0)
-                with open(os.path.join(self.dir, name)) as fh:
-                    total += int(fh.read() or 0)
-            except ProcessLookupError:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(self.dir, name))
-            except (OSError, ValueError):
-                continue
-        return total
-
-    def fits(self, nbytes: int) -> bool:
-        """Whether `nbytes` fit now beside what the others hold (always, when nobody holds any)."""
-        others = self._others()
-        return others == 0 or others + nbytes <= self.capacity
-
-    def reserve(self, nbytes: int, wait: bool = True, poll_s: float = 0.05) -> float | None:
-        """Wait until `nbytes` fit beside what the others hold; returns the seconds waited, or
-        None at once when they do not fit and `wait` is False."""
-        t0 = time.monotonic()
-        guard = os.open(self.dir + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
-        try:
-            while True:
-                fcntl.flock(guard, fcntl.LOCK_EX)
-                try:
-                    if self.fits(nbytes):
-                        with open(self.mine, "w") as fh:
-                            fh.write(str(int(nbytes)))
-                        return time.monotonic() - t0
-                finally:
-                    fcntl.flock(guard, fcntl.LOCK_UN)
-                if not wait:
-                    return None
-                time.sleep(poll_s)
-        finally:
-            os.close(guard)
-
-    def release(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.mine)
-
-
-@contextlib.contextmanager
-def device_lock(index: int | str, timeout_s: float | None = None) -> Iterator[str]:
-    """Hold GPU ``index`` alone (see `DeviceLock`); TimeoutError past ``timeout_s``."""
-    lock = DeviceLock(index, timeout_s)
-    try:
-        with lock.alone():
-            yield lock.path
-    finally:
-        lock.close()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Cold-start SFT: teach the policy the multi-turn kernel-writing format before RL.
 
-    accelerate launch train.py --stage sft [--config sft.yaml] [--key value ...]
+    accelerate launch train.py --stage sft [--config FILE|none] [--key value ...]
     python -c "import drkernel.sft as s; raise SystemExit(s.main(['--max_steps', '2']))"
 
 The same machinery as RL (drkernel.runtime): one Accelerator, metrics.jsonl, checkpoint-N/
@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from drkernel.config import (COUNT, NON_NEGATIVE, RUN_LIMITS, RUN_RESUME_SAFE, ConfigError, Limit, limit_problems,
+                             record_settings, start_run)
 from drkernel.runtime import RunConfig
 from drkernel.sft_data import (IGNORE_INDEX, SFTDataError, collate, load_conversations,
                                pack_sequences, tokenize_dataset)
@@ -40,7 +42,15 @@ from drkernel.sft_data import (IGNORE_INDEX, SFTDataError, collate, load_convers
 
 @dataclasses.dataclass
 class SFTConfig(RunConfig):
-    """SFT options; the shared ones (model, output_dir, LoRA, checkpoints, ...) are RunConfig's."""
+    """SFT options; the shared ones (model, output_dir, LoRA, checkpoints, ...) are RunConfig's. The
+    field defaults are the library defaults (`train.py --stage sft --config none`); a bare
+    `train.py --stage sft` runs configs/sft_quick.yaml over them."""
+
+    LIMITS = {**RUN_LIMITS, "max_steps": Limit(-1, why="-1 = num_epochs passes over the data"),
+              "max_length": Limit(2), "per_device_train_batch_size": COUNT, "num_epochs": NON_NEGATIVE,
+              "loss_chunk_size": Limit(0, why="0 = full logits")}
+    # may change when a run is resumed: bookkeeping, how long it runs, and how the same step is computed
+    RESUME_SAFE = RUN_RESUME_SAFE + ("num_epochs", "loss_chunk_size", "fused_adamw", "attn_implementation")
 
     output_dir: str = "runs/sft"
     max_steps: int = -1  # -1: num_epochs passes over the data
@@ -58,22 +68,19 @@ class SFTConfig(RunConfig):
     fused_adamw: bool = True  # torch's fused AdamW kernel (CUDA only)
     attn_implementation: str | None = None  # e.g. "sdpa", "flash_attention_2"; None: transformers' default
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
 
 def _validate(cfg: SFTConfig) -> None:
-    from drkernel.config import ConfigError
-
-    if cfg.per_device_train_batch_size < 1 or cfg.gradient_accumulation_steps < 1:
-        raise ConfigError("per_device_train_batch_size and gradient_accumulation_steps must be >= 1")
+    """Every value checked once, when the config is made: a ConfigError names what is wrong."""
+    problems = limit_problems(cfg)
+    if problems:
+        raise ConfigError("; ".join(problems))
     if cfg.num_epochs < 1 and cfg.max_steps <= 0:
         raise ConfigError("num_epochs must be >= 1 (or give max_steps > 0)")
-    if cfg.max_length < 2:
-        raise ConfigError(f"max_length must be >= 2, not {cfg.max_length}")
     if cfg.overlong not in ("truncate", "drop"):
         raise ConfigError(f"overlong must be 'truncate' or 'drop', not {cfg.overlong!r}")
-    if cfg.loss_chunk_size < 0:
-        raise ConfigError("loss_chunk_size must be >= 0")
-    if cfg.gradient_checkpointing_every < 1:
-        raise ConfigError(f"gradient_checkpointing_every must be >= 1, got {cfg.gradient_checkpointing_every}")
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -220,7 +227,6 @@ def train(cfg: SFTConfig) -> dict:
     from drkernel.modeling import compile_decoder_layers, load_model, load_tokenizer
     from drkernel.report import write_run_report
 
-    _validate(cfg)
     # we accumulate ourselves (see sft_step), so Accelerate must not rescale the loss
     acc = rt.make_accelerator(dataclasses.replace(cfg, gradient_accumulation_steps=1), dataclasses.asdict(cfg))
     tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
@@ -300,7 +306,7 @@ def train(cfg: SFTConfig) -> dict:
         bar.set_postfix(loss=f"{out['loss']:.4f}")
         if (cfg.save_steps > 0 and step % cfg.save_steps == 0) or step == total:
             rt.save_checkpoint(acc, model, tokenizer, cfg, step, {
-                "stage": "sft", "epoch": epoch, "step_in_epoch": k + 1, "rows": len(units),
+                **record_settings(cfg), "stage": "sft", "epoch": epoch, "step_in_epoch": k + 1, "rows": len(units),
                 "steps_per_epoch": steps_per_epoch})
             saved_at = step
     final = Path(cfg.output_dir) / "final"
@@ -314,8 +320,6 @@ def train(cfg: SFTConfig) -> dict:
 
 def _strip_stage(argv: list[str]) -> list[str]:
     """train.py passes our args; accept (and drop) a leftover `--stage sft` to be safe."""
-    from drkernel.config import ConfigError
-
     out, i = [], 0
     while i < len(argv):
         a = argv[i]
@@ -330,18 +334,18 @@ def _strip_stage(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`train.py --stage sft` lands here. Returns a process exit code; bad input is a clear
-    message and exit code 2, not a traceback."""
-    from drkernel.config import ConfigError, parse_config
+def main(argv: Sequence[str] | None = None, preset: str | Path | None = None, prog: str = "drkernel.sft") -> int:
+    """`train.py --stage sft` lands here (with `preset` configs/sft_quick.yaml: the settings start
+    from it unless --config is given). Returns a process exit code; bad input is a clear message
+    and exit code 2, not a traceback."""
     from drkernel.tasks import TaskError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = parse_config(SFTConfig, _strip_stage(argv))
+        cfg = start_run(SFTConfig, _strip_stage(argv), preset, prog)
         summary = train(cfg)
     except (ConfigError, SFTDataError, TaskError, FileNotFoundError) as exc:
-        print(f"drkernel.sft: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     print(f"[sft] done: {summary['steps']} steps, last loss "
           f"{summary['last'].get('loss', float('nan')):.4f}, model in {summary['final']}")

@@ -44,8 +44,10 @@ import torch
 import torch.utils.checkpoint
 
 from drkernel.advantages import ESTIMATORS, SCALES, compute_advantages
-from drkernel.config import ConfigError, TaskSelection, compose, parse_config
-from drkernel.evaluator import EvalConfig, EvalResult
+from drkernel.config import (BELOW_1, COUNT, FINITE, FRACTION, NON_NEGATIVE, POSITIVE, RUN_LIMITS, RUN_RESUME_SAFE,
+                             UP_TO_1, ConfigError, Limit, TaskSelection, compose, limit_problems, record_settings,
+                             start_run)
+from drkernel.evaltypes import EvalConfig, EvalResult
 from drkernel.generation import GenerationConfig, GenOutput, logprob_temperature
 from drkernel.loss import LOSS_TYPES, LossConfig, policy_loss
 from drkernel.mismatch import MismatchConfig, mismatch_correction
@@ -62,13 +64,15 @@ LOSS_DENOMINATORS = ("batch", "kept")
 
 @dataclasses.dataclass
 class TrainConfig(RunConfig, TaskSelection):
-    """RL options (TRL GRPO names where they exist). The defaults run a short real CPU run;
+    """RL options (TRL GRPO names where they exist). The field defaults are the library defaults
+    (`train.py --config none`); a bare `train.py` runs configs/cpu_quick.yaml over them, and
     `configs/drkernel_recipe.yaml` is the released Dr. Kernel 14B recipe."""
 
     SHARED = (
         (EvalConfig, {"eval_device": "device", "eval_trials": "trials", "eval_perf_trials": "perf_trials",
                       "eval_timeout": "timeout", "eval_max_speedup_recheck": "max_speedup_recheck",
-                      "eval_cache_dir": "cache_dir"}),
+                      "eval_cache_dir": "cache_dir", "eval_baseline": "baseline",
+                      "require_confinement": "require_confinement"}),
         (RewardConfig, {"correct_weight": "correct_weight", "speedup_weight": "speedup_weight",
                         "speedup_cap": "speedup_cap", "profile_weight": "profile_weight", "prs": "prs_enabled",
                         "prs_threshold": "prs_threshold", "prs_width": "prs_width",
@@ -85,6 +89,23 @@ class TrainConfig(RunConfig, TaskSelection):
                           "seq_is_cap": "seq_is_cap", "geo_low": "geo_low", "geo_high": "geo_high",
                           "geo_scope": "geo_scope", "token_veto": "token_veto"}),
     )
+    LIMITS = {
+        **RUN_LIMITS, "tasks_per_step": COUNT,
+        "num_generations": Limit(2, why="a group needs another member for its baseline"),
+        "num_turns": COUNT, "max_prompt_tokens": COUNT,
+        "temperature": Limit(0, low_open=True, why="RL samples; at 0 every answer of a group would be alike"),
+        "eval_workers": Limit(0, why="0 = auto"), "correct_weight": NON_NEGATIVE, "speedup_weight": NON_NEGATIVE,
+        "speedup_cap": POSITIVE, "profile_weight": NON_NEGATIVE, "prs_threshold": FRACTION, "prs_width": NON_NEGATIVE,
+        "gamma": UP_TO_1, "epsilon": BELOW_1, "epsilon_high": NON_NEGATIVE, "dual_clip_c": FINITE,
+        "norm_length": POSITIVE, "beta": NON_NEGATIVE, "entropy_coef": FINITE, "num_iterations": COUNT,
+        "micro_batch_size": COUNT, "logprob_chunk_size": Limit(0, why="0 = one chunk per micro-batch"),
+        "token_is_cap": POSITIVE, "seq_is_cap": POSITIVE, "geo_low": POSITIVE, "geo_high": POSITIVE,
+        "token_veto": POSITIVE,
+    }
+    # may change when a run is resumed: bookkeeping, and how the same rollout and update are computed
+    RESUME_SAFE = RUN_RESUME_SAFE + ("eval_workers", "eval_cache_dir", "dump_rollouts", "dump_prompts",
+                                     "micro_batch_size", "logprob_chunk_size", "generation_batch_size",
+                                     "generation_compile", "log_entropy")
 
     output_dir: str = "runs/rl"
     save_total_limit: int = 2
@@ -115,6 +136,11 @@ class TrainConfig(RunConfig, TaskSelection):
     eval_workers: int = dataclasses.field(default=0, metadata={"help": "sandbox workers; 0 = auto"})
     eval_cache_dir: str = dataclasses.field(default=_E.cache_dir, metadata={
         "help": "on-disk evaluation cache shared by train.py, evaluate.py and generate.py; empty = none"})
+    eval_baseline: str = dataclasses.field(default=_E.baseline, metadata={
+        "help": "eager | compile: speedups (and the speedup reward) against the reference as written or "
+                "under torch.compile"})
+    require_confinement: bool = dataclasses.field(default=_E.require_confinement, metadata={
+        "help": "refuse to evaluate where the kernel cannot confine candidate code; false only for trusted code"})
     # --- rewards, PRS, which turns enter the baseline and the loss
     correct_weight: float = _R.correct_weight
     speedup_weight: float = _R.speedup_weight
@@ -177,24 +203,18 @@ class TrainConfig(RunConfig, TaskSelection):
             if not ok:
                 raise ConfigError(msg)
 
+        problems = limit_problems(self)
+        need(not problems, "; ".join(problems))
         need(self.estimator in ESTIMATORS, f"estimator must be one of {ESTIMATORS}, not {self.estimator!r}")
         need(self.scale_rewards in SCALES, f"scale_rewards must be one of {SCALES}, not {self.scale_rewards!r}")
         need(self.scale_rewards == "none" or self.estimator == "grpo", "scale_rewards=group needs estimator=grpo")
         need(self.loss_type in LOSS_TYPES, f"loss_type must be one of {LOSS_TYPES}, not {self.loss_type!r}")
         need(self.loss_denominator in LOSS_DENOMINATORS,
              f"loss_denominator must be one of {LOSS_DENOMINATORS}, not {self.loss_denominator!r}")
-        need(self.num_generations >= 2, "num_generations must be >= 2 (a group needs another member for its baseline)")
-        for name in ("num_turns", "tasks_per_step", "micro_batch_size", "num_iterations", "max_new_tokens",
-                     "max_steps", "generation_batch_size"):
-            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        need(self.logprob_chunk_size >= 0, "logprob_chunk_size must be >= 0")
-        need(self.gradient_checkpointing_every >= 1,
-             f"gradient_checkpointing_every must be >= 1, got {self.gradient_checkpointing_every}")
         need(self.generation_backend in ("hf", "static"), "generation_backend must be hf or static")
         need(self.gradient_accumulation_steps == 1,
              "the RL update accumulates over micro-batches itself (micro_batch_size); "
              "leave gradient_accumulation_steps at 1")
-        need(0.0 < self.gamma <= 1.0, f"gamma must be in (0, 1], got {self.gamma}")
         need(self.eval_device == "auto" or self.eval_device == "cpu" or self.eval_device.startswith("cuda"),
              f"eval_device must be auto, cpu or cuda[:N], not {self.eval_device!r}")
         try:
@@ -1050,7 +1070,7 @@ class Trainer:
         from drkernel.runtime import save_checkpoint
 
         return save_checkpoint(self.acc, self.model, self.tokenizer, self.cfg, self.step,
-                               {"sampler": self.sampler.state_dict(),
+                               {**record_settings(self.cfg), "sampler": self.sampler.state_dict(),
                                 "tasks": hashlib.sha256("\n".join(t.key + t.digest for t in self.tasks)
                                                         .encode()).hexdigest()[:16]})
 
@@ -1137,13 +1157,14 @@ def _light_result(result: EvalResult) -> EvalResult:
                       triton_time_share=result.triton_time_share)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`accelerate launch train.py [--config cfg.yaml] [--key value ...]` (stage rl)."""
+def main(argv: Sequence[str] | None = None, preset: str | Path | None = None, prog: str = "train.py") -> int:
+    """`accelerate launch train.py [--config FILE|none] [--key value ...]` (stage rl): the settings
+    start from `preset` unless --config is given (train.py passes configs/cpu_quick.yaml)."""
     try:
-        cfg = parse_config(TrainConfig, argv)
+        cfg = start_run(TrainConfig, argv, preset, prog)
         trainer = Trainer(cfg)
     except (ConfigError, TaskError, FileNotFoundError) as exc:
-        print(f"train.py: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     history = trainer.train()

@@ -2,6 +2,11 @@
 
 Triton runs through its interpreter on CPU; TRITON_INTERPRET must be set before any
 `@triton.jit` is applied, so it is set here, before test modules import anything.
+
+Inductor's CPU tests compile C++ without SIMD intrinsics (the same graphs and fusions, ~3x
+faster to compile). That is fixed for the whole run here, before torch._inductor is imported:
+inductor reads the setting into per-process caches (the chosen vector ISA), so switching it per
+test made a test's outcome depend on which tests had compiled before it.
 """
 
 import os
@@ -9,6 +14,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["TORCHINDUCTOR_VEC_ISA_OK"] = "0"  # read once, when torch._inductor.config is imported
 
 from pathlib import Path
 
@@ -21,16 +27,6 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-@pytest.fixture
-def scalar_cpp(monkeypatch):
-    """Inductor's C++ without SIMD intrinsics: the same graphs and fusions, ~3x faster to compile.
-    Every CPU inductor test uses it: inductor caches the chosen vector ISA per process, and a
-    test compiling with the ISA after one without it generated vector code without the headers."""
-    import torch._inductor.config
-
-    monkeypatch.setattr(torch._inductor.config.cpp, "vec_isa_ok", False)
 
 
 def build_tiny_tokenizer(directory: Path):

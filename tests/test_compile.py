@@ -1,7 +1,7 @@
 """`torch_compile` (regional compilation of the decoder layers and the log-prob head) and
 selective activation checkpointing (`gradient_checkpointing_every`), on CPU with tiny models.
 
-Two tests compile with inductor (C++ kernels on CPU, scalar code to keep compiling short);
+Two tests compile with inductor (C++ kernels on CPU, scalar code to keep compiling short: conftest);
 the others use `DRKERNEL_COMPILE_BACKEND=aot_eager`, which traces, partitions and recomputes
 exactly the same graphs without generating kernels, so they stay fast.
 """
@@ -90,7 +90,17 @@ def _cfg(**kw):
 
 # ------------------------------------------------------------------ the update is unchanged by compiling
 
-def test_inductor_compiled_update_matches_eager(scalar_cpp):
+def test_inductor_cpp_is_scalar_for_the_whole_run():
+    """Set by conftest before inductor is imported, so no test depends on which ran first:
+    inductor picks its vector ISA once per process and keeps it."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    assert config.cpp.vec_isa_ok is False
+    assert not pick_vec_isa()
+
+
+def test_inductor_compiled_update_matches_eager():
     """The real backend (inductor, C++ on CPU): same loss, entropy and gradients as eager."""
     samples = _samples([(8, 56), (8, 56)])  # the shapes of `bench/update.py --tiny`: its compile reuses these graphs
     eager_model = tiny_random_model(seed=1)
@@ -242,7 +252,7 @@ def test_sft_with_torch_compile_matches_eager(tiny_model_dir, tmp_path, aot_eage
 
 # ------------------------------------------------------------------ the GPU benchmark's grid, on CPU
 
-def test_update_bench_compile_variants_on_cpu(tmp_path, scalar_cpp):
+def test_update_bench_compile_variants_on_cpu(tmp_path):
     """The benchmark's own compile path, with inductor."""
     spec = importlib.util.spec_from_file_location("bench_update", ROOT / "bench" / "update.py")
     bench = importlib.util.module_from_spec(spec)

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drkernel.config import coerce, compose, disagreements, parse_config, shared_settings
+from drkernel.config import coerce, compose, disagreements, limit_problems, limits, parse_config, shared_settings
 from drkernel.evaluator import EvalConfig
 from drkernel.rollout import RolloutConfig
+from drkernel.sft import SFTConfig
 from drkernel.trainer import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +23,7 @@ if str(ROOT) not in sys.path:
 
 import evaluate  # noqa: E402
 import generate  # noqa: E402
+import train  # noqa: E402
 
 SCRIPT_CONFIGS = (TrainConfig, generate.GenerateConfig, evaluate.EvaluateConfig)
 
@@ -66,8 +68,31 @@ def test_overrides_reach_the_composed_configs(tmp_path):
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    cfg = parse_config(TrainConfig, ["--config", str(path)])
+    cls = SFTConfig if path == train.STAGES["sft"].preset else TrainConfig
+    cfg = parse_config(cls, ["--config", str(path)])
     assert set(yaml.safe_load(path.read_text())) <= {f.name for f in dataclasses.fields(cfg)}
+
+
+def _numeric(tp) -> bool:
+    return any(t in (int, float) for t in typing.get_args(tp) or (tp,))
+
+
+@pytest.mark.parametrize("cls", (TrainConfig, SFTConfig), ids=lambda c: c.__name__)
+def test_every_numeric_setting_of_a_training_stage_has_a_limit(cls):
+    hints = typing.get_type_hints(cls)
+    numeric = {f.name for f in dataclasses.fields(cls) if _numeric(hints[f.name])}
+    assert numeric <= set(limits(cls))  # text settings (the evaluator's device, baseline) may have limits too
+    assert limit_problems(cls()) == []
+
+
+def test_a_library_limit_reaches_every_script_that_mirrors_it():
+    """GenerationConfig says temperature >= 0 once; train.py (stricter: RL samples) and generate.py's config
+    both check it through their SHARED maps."""
+    assert limit_problems(generate.GenerateConfig(temperature=-1.0, top_p=0.0)) == [
+        "temperature must be >= 0, got -1.0 (0 = greedy)", "top_p must be in (0, 1], got 0.0"]
+    assert limit_problems(generate.GenerateConfig(temperature=0.0)) == []
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        TrainConfig(temperature=0.0)
 
 
 # ---------------------------------------------------------------------------- the released recipe

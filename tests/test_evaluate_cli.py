@@ -15,11 +15,13 @@ import evaluate  # noqa: E402
 
 
 class FakeEvaluator:
-    """Returns a verdict read from the candidate: `# fake: incorrect` etc., else correct at 2x."""
+    """Returns a verdict read from the candidate: `# fake: incorrect` etc., else `default`
+    (correct at 2x)."""
 
-    def __init__(self, fail_on_call=None):
+    def __init__(self, fail_on_call=None, default="correct"):
         self.calls = []  # one list of (reference, candidate) per evaluate_many call
         self.fail_on_call = fail_on_call
+        self.default = default
         self.closed = False
 
     def evaluate_many(self, pairs):
@@ -31,13 +33,13 @@ class FakeEvaluator:
         for ref, cand in pairs:
             assert os.path.isfile(ref) and "class Model" in Path(ref).read_text()
             code = Path(cand).read_text() if "\n" not in cand and os.path.isfile(cand) else cand
-            verdict = "correct"
+            verdict = self.default
             if "# fake: " in code:
                 verdict = code.split("# fake: ")[1].split()[0]
             ok = verdict == "correct"
             out.append({"verdict": verdict, "compiled": verdict != "compile_error", "correct": ok,
                         "speedup": 2.0 if ok else None, "hacks": ["output_cached"] if verdict == "hacked" else [],
-                        "error": None, "triton_time_share": 0.9 if ok else None, "stdout": "noise"})
+                        "error": None if ok else f"fake {verdict}", "triton_time_share": 0.9 if ok else None, "stdout": "noise"})
         return out
 
     def close(self):
@@ -98,7 +100,7 @@ def test_resume_after_kill(tmp_path, fake):
     assert summary["skipped_resumed"] == 1 and summary["evaluated_this_run"] == 3
     lines = (out / "results.jsonl").read_text().splitlines()
     assert lines[0] == first  # finished results are never rewritten
-    assert sorted(r["problem_id"] for r in _results_tolerant(out)) == [1, 2, 3, 4]
+    assert sorted(r.problem_id for r in _results_tolerant(out)) == [1, 2, 3, 4]
 
     # nothing left to do: a third run evaluates nothing and reports the same
     fake["ev"] = FakeEvaluator()
@@ -150,17 +152,192 @@ def test_jsonl_candidates_missing_and_format_error(tmp_path, fake):
     assert verdicts[(1, 1, 0)] == "format_error"
 
 
-def test_compile_baseline_wraps_reference(tmp_path, fake):
+def test_compile_baseline_reaches_the_evaluator_and_the_rows(tmp_path, fake, monkeypatch):
+    """--baseline compile is the evaluator's own setting (the twin compiles the reference): the
+    reference code is passed unchanged and every stored row says what it was timed against."""
+    seen = []
+    monkeypatch.setattr(evaluate, "make_evaluator", lambda cfg, device: seen.append(cfg) or fake["ev"])
     out = tmp_path / "eval"
     evaluate.main(["--problem_ids", "1", "--baseline", "compile", "--output_dir", str(out), "--device", "cpu"])
     (ref, _), = fake["ev"].evaluated
-    text = Path(ref).read_text()
-    assert "torch.compile(super().forward)" in text and "class Model(_DrkEagerModel)" in text
-    ns = {}
-    exec(compile(text, ref, "exec"), ns)  # still a valid KernelBench module; no compile until __init__
-    assert issubclass(ns["Model"], ns["_DrkEagerModel"])
+    assert "torch.compile" not in Path(ref).read_text() and seen[0].baseline == "compile"
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert rows and all(r["baseline"] == "compile" for r in rows)
     with pytest.raises(SystemExit):
         evaluate.main(["--problem_ids", "1", "--baseline", "fast", "--output_dir", str(out)])
+
+
+# ---------------------------------------------------------------------------- bad input is skipped and named
+
+def _write_jsonl(path, rows, tail=""):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+    return path
+
+
+def _gen(pid, code="class ModelNew: pass\n", **extra):
+    return {"level": 0, "problem_id": pid, "sample": 0, "turn": 0, "code": code, **extra}
+
+
+def _skipped(summary):
+    return {(s["where"], s["attempt"]): s["reason"] for s in summary["skipped"]}
+
+
+def test_cut_last_line_keeps_the_good_rows(tmp_path, fake, capsys):
+    gen = _write_jsonl(tmp_path / "gen.jsonl", [_gen(1), _gen(2)], tail='{"level": 0, "problem_id": 3, "co')
+    s = evaluate.main(["--candidates", str(gen), "--output_dir", str(tmp_path / "eval"), "--device", "cpu"])
+    assert sorted(r["problem_id"] for r in _results(tmp_path / "eval")) == [1, 2]
+    assert s["correct_rate"] == 1.0 and s["num_skipped"] == 1
+    (reason,) = [r for (where, _), r in _skipped(s).items() if where == f"{gen}:3"]
+    assert reason.startswith("not a JSON object")
+    assert f"{gen}:3: not a JSON object" in capsys.readouterr().err
+    on_disk = json.loads((tmp_path / "eval" / "summary.json").read_text())
+    assert on_disk["skipped"] == s["skipped"] and f"| {gen}:3 | - | not a JSON object" in \
+        (tmp_path / "eval" / "report.md").read_text()
+
+
+def test_mistyped_rows_and_unknown_problems_are_skipped_and_named(tmp_path, fake):
+    rows = [_gen(1), _gen(2, code=123), {**_gen(3), "level": "0"}, _gen(99),
+            _gen(4, code=None, generation_error="HTTP 503")]
+    gen = _write_jsonl(tmp_path / "gen.jsonl", rows)
+    s = evaluate.main(["--candidates", str(gen), "--problem_ids", "1,2,3,4", "--output_dir", str(tmp_path / "eval"),
+                       "--device", "cpu"])
+    assert [Path(ref).name.split("_")[2] for ref, _ in fake["ev"].evaluated] == ["1"]  # only the good row
+    skipped = _skipped(s)
+    assert "`code` must be a string" in skipped[(f"{gen}:2", "level 0 problem 2 sample 0 turn 0")]
+    assert "`level` must be a non-negative integer" in skipped[(f"{gen}:3", "")]
+    assert "no such problem" in skipped[(f"{gen}:4", "level 0 problem 99 sample 0 turn 0")]
+    assert "HTTP 503" in skipped[(f"{gen}:5", "level 0 problem 4 sample 0 turn 0")]
+    # the four selected problems count; the skipped ones are missing, never evaluated
+    assert s["num_problems"] == 4 and s["num_missing"] == 3 and s["correct_rate"] == 0.25
+
+
+def test_unknown_and_undecodable_candidate_files_are_named(tmp_path, fake):
+    cands = tmp_path / "cands"
+    cands.mkdir()
+    (cands / "0_1.py").write_text("class ModelNew: pass\n")
+    (cands / "0_2.py").write_bytes(b"class ModelNew: pass\n\xff\xfe\x00binary")
+    (cands / "0_77.py").write_text("class ModelNew: pass\n")
+    (cands / "1_1.py").write_text("class ModelNew: pass\n")  # bundled tasks ignore the level: problem 1 again
+    s = evaluate.main(["--candidates", str(cands), "--problem_ids", "1,2", "--output_dir", str(tmp_path / "eval"),
+                       "--device", "cpu"])
+    assert [Path(c).name for _, c in fake["ev"].evaluated] == ["0_1.py"]
+    skipped = _skipped(s)
+    assert "not UTF-8" in skipped[(str(cands / "0_2.py"), "level 0 problem 2 sample 0 turn 0")]
+    assert "no such problem" in skipped[(str(cands / "0_77.py"), "level 0 problem 77 sample 0 turn 0")]
+    assert "a second candidate" in skipped[(str(cands / "1_1.py"), "level 0 problem 1 sample 0 turn 0")]
+    assert s["num_problems"] == 2 and s["correct_rate"] == 0.5
+
+
+def test_reference_error_is_counted_apart_from_the_candidates(tmp_path, fake):
+    gen = _write_jsonl(tmp_path / "gen.jsonl", [_gen(1), _gen(2, code="class ModelNew: pass\n# fake: reference_error\n"),
+                                                _gen(3, code="class ModelNew: pass\n# fake: incorrect\n")])
+    s = evaluate.main(["--candidates", str(gen), "--output_dir", str(tmp_path / "eval"), "--device", "cpu"])
+    assert s["num_reference_errors"] == 1 and s["num_problems"] == 2  # problem 2 is not the candidate's failure
+    assert s["correct_rate"] == 0.5 and "reference_error" not in s["verdict_counts"]
+    assert _skipped(s)[(f"{gen}:2", "level 0 problem 2 sample 0 turn 0")] == "reference_error: fake reference_error"
+    assert "whose reference failed" in s["counted"]
+
+
+# ---------------------------------------------------------------------------- which problems count
+
+def test_generations_for_one_problem_count_only_that_problem(tmp_path, fake):
+    gen = _write_jsonl(tmp_path / "gen.jsonl", [_gen(1)])
+    s = evaluate.main(["--candidates", str(gen), "--output_dir", str(tmp_path / "a"), "--device", "cpu"])
+    assert s["num_problems"] == 1 and s["num_missing"] == 0 and s["correct_rate"] == 1.0
+    # explicitly: every selected problem, or the problems --problem_ids names
+    s = evaluate.main(["--candidates", str(gen), "--output_dir", str(tmp_path / "b"), "--device", "cpu",
+                       "--denominator", "selected"])
+    assert s["num_problems"] == 8 and s["num_missing"] == 7
+    s = evaluate.main(["--candidates", str(gen), "--output_dir", str(tmp_path / "c"), "--device", "cpu",
+                       "--problem_ids", "1,2"])
+    assert s["num_problems"] == 2 and s["correct_rate"] == 0.5
+
+
+# ---------------------------------------------------------------------------- resume keeps nothing spoiled
+
+def test_resume_reevaluates_verdicts_the_machine_may_have_caused(tmp_path, fake, capsys):
+    gen = _write_jsonl(tmp_path / "gen.jsonl", [_gen(1), _gen(2, code="class ModelNew: pass\n# fake: incorrect\n"),
+                                                _gen(3)])
+    args = ["--candidates", str(gen), "--problem_ids", "1,2,3", "--output_dir", str(tmp_path / "eval"),
+            "--device", "cpu"]
+    fake["ev"] = FakeEvaluator(default="timeout")  # what a too short --timeout left
+    assert evaluate.main(args)["verdict_counts"] == {"incorrect": 1, "timeout": 2}
+    fake["ev"] = FakeEvaluator()
+    s = evaluate.main(args)
+    assert sorted(Path(ref).name.split("_")[2] for ref, _ in fake["ev"].evaluated) == ["1", "3"]
+    assert s["evaluated_again"] == 2 and s["skipped_resumed"] == 1  # the incorrect verdict stands
+    assert s["verdict_counts"] == {"correct": 2, "incorrect": 1}
+    assert "2 x its verdict (timeout) may have been caused by the machine" in capsys.readouterr().err
+
+
+def _edit_stored_settings(path, **changes):
+    """Rewrite the settings record of every stored row (`section__name` for a nested field)."""
+    rows = _results(path.parent)
+    for r in rows:
+        for key, value in changes.items():
+            section, _, name = key.rpartition("__")
+            target = r["settings"][section] if section else r["settings"]
+            target[name] = value
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize("flags, stored", [
+    (["--trials", "2"], {}),
+    (["--timeout", "60"], {}),
+    (["--require_triton", "false"], {}),
+    ([], {"device": "cuda"}),  # results.jsonl made on a GPU
+    ([], {"environment__cpu": "another CPU"}),
+    ([], {"evaluator__atol_fp32": 0.5}),
+], ids=["trials", "timeout", "require_triton", "device", "environment", "tolerance"])
+def test_resume_reevaluates_results_of_other_settings(tmp_path, fake, capsys, flags, stored):
+    out = tmp_path / "eval"
+    args = ["--problem_ids", "1,2", "--output_dir", str(out), "--device", "cpu"]
+    evaluate.main(args)
+    _edit_stored_settings(out / "results.jsonl", **stored)
+    fake["ev"] = FakeEvaluator()
+    s = evaluate.main(args + flags)
+    assert len(fake["ev"].evaluated) == 2 and s["evaluated_again"] == 2 and s["skipped_resumed"] == 0
+    assert "2 x made with other settings" in capsys.readouterr().err
+    fake["ev"] = FakeEvaluator()
+    assert evaluate.main(args + flags)["skipped_resumed"] == 2 and fake["ev"].evaluated == []
+
+
+# ---------------------------------------------------------------------------- usage errors
+
+@pytest.mark.parametrize("flags, message", [
+    (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
+    (["--timeout", "0"], "timeout must be > 0"),
+    (["--trials", "0"], "trials must be >= 1"),
+    (["--candidates", "no/such/dir"], "no/such/dir: no such file or directory"),
+    (["--denominator", "some"], "--denominator must be one of"),
+    (["--no_such_option", "1"], "unknown option(s) --no_such_option"),
+], ids=["device", "timeout", "trials", "candidates", "denominator", "unknown"])
+def test_usage_errors_exit_2_with_one_line(tmp_path, fake, capsys, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--output_dir", str(tmp_path / "eval")] + flags)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("evaluate.py: error: ") and message in err[-1]
+    assert fake["ev"].calls == [] and not (tmp_path / "eval").exists()
+
+
+def test_cuda_without_a_gpu_is_a_usage_error(tmp_path, fake, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--output_dir", str(tmp_path / "eval"), "--device", "cuda"])
+    assert exc.value.code == 2 and "no GPU is visible" in capsys.readouterr().err
+
+
+def test_help_and_start_line_name_the_base(tmp_path, fake, capsys):
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--help"])
+    assert exc.value.code == 0 and "base configuration: the EvaluateConfig defaults" in capsys.readouterr().out
+    evaluate.main(["--problem_ids", "1", "--output_dir", str(tmp_path / "eval"), "--device", "cpu"])
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("evaluate.py: settings: the library defaults") and "problem_ids=1" in first
 
 
 def _real_evaluator_usable():

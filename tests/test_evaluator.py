@@ -238,17 +238,12 @@ def test_chunked_comparison_matches_whole_tensor(monkeypatch):
     whole = ev._compare_tensor(c, r, 1e-4, 1e-4, 1e-3)
     monkeypatch.setattr(ev, "_CHUNK", 64)
     chunked = ev._compare_tensor(c, r, 1e-4, 1e-4, 1e-3)
-    assert chunked["ok"] is whole["ok"] is False and chunked["why"] == whole["why"]
+    assert chunked.ok is whole.ok is False and chunked.why == whole.why
     for k in ("max_abs", "max_rel", "rel_l2"):
-        assert abs(chunked[k] - whole[k]) <= 1e-12 * max(1.0, whole[k]), k
+        assert abs(getattr(chunked, k) - getattr(whole, k)) <= 1e-12 * max(1.0, getattr(whole, k)), k
     zeros_like_answer = torch.zeros(1000)
     tiny_ref = torch.full((1000,), 1e-6) + 1e-7 * torch.rand(1000, generator=g)
-    assert ev.degenerate(zeros_like_answer, tiny_ref, [torch.rand(5)], dataclasses_cfg()) is not None
-
-
-def dataclasses_cfg():
-    import dataclasses
-    return dataclasses.asdict(EvalConfig())
+    assert ev.degenerate(zeros_like_answer, tiny_ref, [torch.rand(5)], EvalConfig()) is not None
 
 
 def test_fast_comparison_agrees_with_the_detailed_one(monkeypatch):
@@ -288,20 +283,21 @@ def test_fast_comparison_agrees_with_the_detailed_one(monkeypatch):
             if ref.is_complex():
                 c, ref = torch.view_as_real(c), torch.view_as_real(ref)
             slow = ev._compare_tensor_slow(c, ref, tol, tol, 1e-3)
-            assert fast["ok"] is slow["ok"], (name, chunk, fast, slow)
-            assert fast["why"] == slow["why"], (name, chunk)
+            assert fast.ok is slow.ok, (name, chunk, fast, slow)
+            assert fast.why == slow.why, (name, chunk)
             for k in ("max_abs", "max_rel", "rel_l2"):
-                assert abs(fast[k] - slow[k]) <= 1e-6 * max(1.0, slow[k]), (name, chunk, k, fast[k], slow[k])
+                f, w = getattr(fast, k), getattr(slow, k)
+                assert abs(f - w) <= 1e-6 * max(1.0, w), (name, chunk, k, f, w)
     expected = {"pass": True, "fail_one": False, "nan_same": True, "nan_moved": False, "inf_same": True,
                 "inf_sign": False, "fp16": True, "bf16": True, "fp64_l2": False, "complex": True}
-    got = {n: ev._compare_tensor(c, ref, *([1e-2] * 2 if n in ("fp16", "bf16") else [1e-4] * 2), 1e-3)["ok"]
+    got = {n: ev._compare_tensor(c, ref, *([1e-2] * 2 if n in ("fp16", "bf16") else [1e-4] * 2), 1e-3).ok
            for n, (c, ref) in cases.items()}
     assert got == expected
 
     def no_slow_pass(*a):
         raise AssertionError("a passing finite output must be decided by the single kernel pass")
     monkeypatch.setattr(ev, "_compare_tensor_slow", no_slow_pass)
-    assert ev._compare_tensor(near, r, 1e-4, 1e-4, 1e-3)["ok"]
+    assert ev._compare_tensor(near, r, 1e-4, 1e-4, 1e-3).ok
 
 
 @pytest.mark.parametrize("programs,block", [(4096, 1 << 16), (3, 64)])
@@ -315,7 +311,7 @@ def test_degenerate_check_flags_trivial_answers_only(monkeypatch, programs, bloc
 
     monkeypatch.setattr(compare_kernels, "_PROGRAMS", programs)
     monkeypatch.setattr(compare_kernels, "_BLOCK", {"cpu": block, "cuda": block})
-    cfg = dataclasses_cfg()
+    cfg = EvalConfig()
     g = torch.Generator().manual_seed(2)
     flat_ref = 3.0 + 1e-5 * torch.rand(4000, generator=g)  # every value within tolerance of 3.0
     assert "a constant" in (ev.degenerate(torch.full((4000,), float(flat_ref.mean())), flat_ref, [], cfg) or "")

@@ -1,5 +1,6 @@
-"""generate.py: tiny-model CLI runs, resume after a kill, the API policy against a local server,
-STTS end to end with the real evaluator, and evaluate.py reading the output."""
+"""generate.py: tiny-model CLI runs, resume after a kill or from a damaged file, bad options, the
+API policy against a local server (retries, failed requests, fail-fast errors), STTS end to end
+with the real evaluator, and evaluate.py reading the output."""
 
 import dataclasses
 import json
@@ -101,7 +102,7 @@ def test_tiny_model_cli_writes_rows_that_evaluate_py_reads(tmp_path, tiny_model_
     assert s["verdict_counts"] == {"format_error": 2}
 
 
-def test_resume_after_kill_writes_only_missing_rows(tmp_path, tiny_model_dir, fake_eval, monkeypatch):
+def test_resume_after_kill_writes_only_missing_rows(tmp_path, tiny_model_dir, fake_eval, monkeypatch, capsys):
     import drkernel.rollout as rollout_mod
 
     out = tmp_path / "gen.jsonl"
@@ -120,7 +121,10 @@ def test_resume_after_kill_writes_only_missing_rows(tmp_path, tiny_model_dir, fa
         return real(model, tokenizer, tasks, *a, **kw)
 
     monkeypatch.setattr(rollout_mod, "rollout", spy)
+    capsys.readouterr()
     summary = generate.main(args)
+    assert "skipped 1 unusable line(s) (a killed run leaves its last line cut): line 4: not a JSON object" in \
+        capsys.readouterr().err
     assert calls == [["0_2"]]  # only the missing trajectory
     lines = _lines(out)
     assert lines[:2] == full[:2]  # finished rows are never rewritten
@@ -132,19 +136,55 @@ def test_resume_after_kill_writes_only_missing_rows(tmp_path, tiny_model_dir, fa
     assert calls == [] and _lines(out) == lines and again["num_samples"] == 2
 
     turns_at = args.index("--num_turns") + 1
-    with pytest.raises(SystemExit, match="num_turns"):  # another --num_turns would mix turn numbering
-        generate.main(args[:turns_at] + ["3"] + args[turns_at + 1:])
+    # another --num_turns would mix turn numbering
+    assert _usage_error(capsys, args[:turns_at] + ["3"] + args[turns_at + 1:]).endswith(
+        "--num_turns 2 or another STTS window, not --num_turns 3 --stts_window 4 (row 1); "
+        "pass another --output or --resume false")
     assert calls == [] and _lines(out) == lines
 
 
-def test_bad_config_is_a_clear_error():
-    for argv, msg in ((["--samples_per_task", "0"], "samples_per_task"),
-                      (["--stts_window", "-1"], "stts_window"),
-                      (["--api_base_url", "http://127.0.0.1:9/v1"], "api_model"),
-                      (["--backend", "vllm"], "backend"),
+def _usage_error(capsys, argv, status=2) -> str:
+    """Run generate.main(argv), expect exit `status` with one `generate.py: error:` line; return it."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        generate.main(argv)
+    assert exc.value.code == status
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("generate.py: error: ")]
+    assert len(errors) == 1
+    return errors[0]
+
+
+def test_bad_config_is_a_clear_error(capsys):
+    for argv, msg in ((["--samples_per_task", "0"], "samples_per_task must be >= 1"),
+                      (["--stts_window", "-1"], "stts_window must be >= 0"),
+                      (["--api_base_url", "http://127.0.0.1:9/v1"], "--api_base_url needs --api_model"),
+                      (["--api_base_url", "localhost:9", "--api_model", "m", "--device", "cpu"], "http://"),
+                      (["--backend", "vllm"], "--backend must be hf or static"),
+                      (["--num_turns", "two"], "bad value for num_turns: 'two'"),
+                      (["--api_timeout", "0"], "api_timeout must be > 0"),
+                      (["--api_backoff_s", "nan"], "api_backoff_s must be a finite number >= 0"),
+                      (["--device", "gpu"], "device must be auto, cpu, cuda or cuda:N"),
+                      (["--no_such_option", "1"], "no_such_option"),
+                      (["stray"], "unexpected argument 'stray'"),
+                      (["--config", "/nonexistent/gen.yaml"], "/nonexistent/gen.yaml"),
+                      (["--levels", "one", "--device", "cpu"], "levels must be a comma list of integers"),
                       (["--tasks", "/nonexistent/42_Nothing.py", "--device", "cpu"], "cannot load tasks")):
-        with pytest.raises(SystemExit, match=msg):
-            generate.main(argv)
+        assert msg in _usage_error(capsys, argv), argv
+
+
+def test_help_and_start_line_name_the_base_configuration(capsys, tmp_path, fake_eval, monkeypatch):
+    with pytest.raises(SystemExit) as exc:
+        generate.main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "With no options, generate.py runs its base configuration" in out
+    assert "--api_max_attempts (default: 5)" in out and "--api_timeout (default: 180.0)" in out
+
+    policy = CountingPolicy()
+    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: _scripted_policy(policy))
+    generate.main(["--problem_ids", "1", "--device", "cpu", "--num_turns", "1", "--output", str(tmp_path / "g.jsonl")])
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("generate.py: settings: the library defaults") and first.endswith("; policy: model smollm2")
+    assert f"problem_ids=1, device=cpu, num_turns=1, output={tmp_path / 'g.jsonl'}" in first
 
 
 # ----------------------------------------------------------------------------- API policy
@@ -154,7 +194,13 @@ class _Server:
 
     def __init__(self, reply):
         self.requests = []
-        self.failures = []  # HTTP codes to answer first, one per request
+        # misbehaviours for the next requests, one each: an HTTP code, "not json" (a 200 whose body
+        # is an HTML error page), or "hang" (no answer for `hang_s`, longer than the client waits)
+        self.failures = []
+        self.retry_after = None  # a Retry-After header on scripted HTTP failures
+        self.fail_prompt = None  # conversations starting with these messages always get HTTP 500
+        self.hang_s = 3.0
+        self.closing = threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -163,16 +209,27 @@ class _Server:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.requests.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
-                if outer.failures:
-                    self._send(outer.failures.pop(0), {"error": {"message": "scripted failure"}})
+                failure = outer.failures.pop(0) if outer.failures else None
+                if outer.fail_prompt and body["messages"][:len(outer.fail_prompt)] == outer.fail_prompt:
+                    failure = 500
+                if failure == "not json":
+                    self._send(200, None, b"<html>502 Bad Gateway</html>")
+                    return
+                if failure == "hang":  # the client times out first and retries
+                    outer.closing.wait(outer.hang_s)
+                    return
+                if failure is not None:
+                    self._send(failure, {"error": {"message": "scripted failure"}})
                     return
                 text, reason = reply(body)
                 self._send(200, {"id": "x", "object": "chat.completion", "choices": [
                     {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}]})
 
-            def _send(self, code, payload):
-                data = json.dumps(payload).encode()
+            def _send(self, code, payload, raw=b""):
+                data = raw or json.dumps(payload).encode()
                 self.send_response(code)
+                if code != 200 and outer.retry_after is not None:
+                    self.send_header("Retry-After", outer.retry_after)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -188,6 +245,7 @@ class _Server:
         self.thread.start()
 
     def close(self):
+        self.closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
         self.thread.join(timeout=5)
@@ -247,34 +305,168 @@ def test_api_policy_cli_runs_the_training_loop(tmp_path, server, fake_eval, monk
     assert len(list(tmp_path.glob("api.*.jsonl.bak"))) == 1
 
 
-def test_api_client_retries_and_errors(server):
-    cfg = api_policy.ApiConfig(base_url=server.url, model="m", api_key_env="", timeout=10, max_retries=2,
-                               backoff_s=0.01)
-    client = api_policy.OpenAIChatClient(cfg)
+def test_api_client_sorts_failures(server, capsys):
+    def client():  # fresh: it has not seen an answer yet
+        return api_policy.OpenAIChatClient(api_policy.ApiConfig(
+            base_url=server.url, model="m", api_key_env="", timeout=10, max_attempts=3, backoff_s=5.0))
+
     gen = GenerationConfig(max_new_tokens=5, do_sample=False)
     msgs = [{"role": "user", "content": "hi"}]
 
-    server.failures = [503, 429]  # retried, then answered
-    c = client.complete(msgs, gen)
+    # transient, retried at once since the server says Retry-After: 0 (the backoff alone waits 2.5-5 s)
+    server.failures, server.retry_after = [503, 429], "0"
+    answered = client()
+    c = answered.complete(msgs, gen, label="job 7")
     assert c.text == CODE_REPLY and c.finished and c.error is None and len(server.requests) == 3
     assert server.requests[-1]["auth"] is None and server.requests[-1]["body"]["temperature"] == 0.0
+    err = capsys.readouterr().err.splitlines()
+    assert err == ['[api] job 7: HTTP 503: {"error": {"message": "scripted failure"}} (attempt 1/3); retrying in 0.0 s',
+                   '[api] job 7: HTTP 429: {"error": {"message": "scripted failure"}} (attempt 2/3); retrying in 0.0 s']
 
-    server.failures = [401]
-    with pytest.raises(api_policy.ApiError, match="HTTP 401"):
-        client.complete(msgs, gen)
+    # a wrong key, URL or model, or any 4xx before a first answer: the endpoint is unusable, no retry
+    for code, msg in ((401, "HTTP 401"), (404, "HTTP 404"), (400, "refused the first request with HTTP 400")):
+        server.failures = [code]
+        with pytest.raises(api_policy.ApiError, match=msg):
+            client().complete(msgs, gen)
+        assert len(server.requests) == 3 + 1 and not server.failures
+        del server.requests[3:]
+    server.failures = [500, 500, 500]  # never answered: the endpoint is down
+    with pytest.raises(api_policy.ApiError, match="no usable answer in 3 attempts"):
+        client().complete(msgs, gen)
 
-    server.failures = [400]  # e.g. a prompt over the server's context: an empty reply, the run goes on
-    generator = api_policy.ChatGenerator(client, concurrency=2)
-    codec = api_policy.MessageCodec()
-    prompt = codec(codec.apply_chat_template(msgs))["input_ids"]
-    outs = generator(None, codec, [prompt], gen)
-    assert outs[0].response_ids == [] and not outs[0].finished and "HTTP 400" in generator.errors[0]
-
+    # after a first answer a failure is the request's own: a Completion with the reason
     server.failures = [500, 500, 500]
-    with pytest.raises(api_policy.ApiError, match="after 3 attempts"):
-        client.complete(msgs, gen)
+    c = answered.complete(msgs, gen)
+    assert c.text == "" and c.error == 'HTTP 500: {"error": {"message": "scripted failure"}} (gave up after 3 attempts)'
+    n = len(server.requests)
+    server.failures = [400]  # e.g. a prompt over the server's context: not retried
+    assert answered.complete(msgs, gen).error.startswith("HTTP 400") and len(server.requests) == n + 1
     with pytest.raises(api_policy.ApiError, match="http"):
         api_policy.OpenAIChatClient(api_policy.ApiConfig(base_url="localhost:8000", model="m"))
+
+
+def test_chat_generator_records_a_failed_trajectory_and_stops_asking_for_it(server, capsys):
+    client = api_policy.OpenAIChatClient(api_policy.ApiConfig(base_url=server.url, model="m", api_key_env="",
+                                                              max_attempts=1))
+    generator = api_policy.ChatGenerator(client, concurrency=1, progress=client.progress)
+    codec = api_policy.MessageCodec()
+    prompts = [codec(codec.apply_chat_template([{"role": "user", "content": w}]))["input_ids"] for w in ("a", "b")]
+    gen = GenerationConfig(max_new_tokens=5, do_sample=False)
+    generator.begin(["task A", "task B"], first_turn=3)
+    server.failures = [None, 500]  # A answers, B fails
+    outs = generator(None, codec, prompts, gen)
+    assert codec.decode(outs[0].response_ids) == CODE_REPLY and outs[1].response_ids == []
+    assert generator.failures == {1: api_policy.Failure(1, 'HTTP 500: {"error": {"message": "scripted failure"}} '
+                                                           '(gave up after 1 attempts)')}
+    assert "[api] task B turn 3: failed: HTTP 500" in capsys.readouterr().err
+    outs = generator(None, codec, prompts, gen)  # turn 2: only A is asked
+    assert len(server.requests) == 3 and outs[1].response_ids == [] and list(generator.failures) == [1]
+    assert client.progress.failures == 1 and client.progress.retries == 0
+    generator.begin(["task A", "task B"])  # the next rollout starts clean
+    assert generator.failures == {} and len(generator(None, codec, prompts, gen)) == 2 and len(server.requests) == 5
+
+
+def test_retry_after_header():
+    from email.utils import format_datetime
+    from datetime import datetime, timedelta, timezone
+
+    assert api_policy.retry_after_s("7") == 7.0 and api_policy.retry_after_s(None) is None
+    assert api_policy.retry_after_s("soon") is None and api_policy.retry_after_s("-3") == 0.0
+    later = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=30), usegmt=True)
+    assert 25 < api_policy.retry_after_s(later) <= 30
+
+
+def _api_args(server, out, *extra):
+    return ["--api_base_url", server.url, "--api_model", "tiny-api", "--api_key_env", "DRK_TEST_NO_KEY",
+            "--problem_ids", "1", "--samples_per_task", "1", "--num_turns", "2", "--max_new_tokens", "64",
+            "--device", "cpu", "--api_backoff_s", "0.01", "--output", str(out), *extra]
+
+
+@pytest.mark.parametrize("failure, extra, message", [
+    ("not json", [], "the reply is not a chat completion: '<html>502 Bad Gateway</html>' (attempt 1/5)"),
+    ("hang", ["--api_timeout", "1"], "no reply within 1 s (api_timeout) (attempt 1/5)"),
+    (500, [], 'HTTP 500: {"error": {"message": "scripted failure"}} (attempt 1/5)'),
+])
+def test_api_transient_failure_is_retried_with_a_message(tmp_path, server, fake_eval, capsys, failure, extra,
+                                                         message):
+    server.failures = [failure]
+    out = tmp_path / "api.jsonl"
+    summary = generate.main(_api_args(server, out, *extra))
+    err = capsys.readouterr().err
+    assert f"[api] 0_1 sample 0 turn 0: {message}; retrying in " in err
+    assert "retries=1, failed=0" in err and "2/2" in err  # the progress bar over requests
+    assert len(server.requests) == 3
+    rows = _rows(out)
+    assert [(r["turn"], r["verdict"], r["generation_error"]) for r in rows] == [
+        (0, "correct", None), (1, "format_error", None)]
+    assert summary["generation_failures"] == 0 and summary["num_missing"] == 0
+
+
+def test_api_request_that_keeps_failing_is_recorded_and_retried_on_resume(tmp_path, server, fake_eval, capsys):
+    task2 = load_bundled([2])[0]
+    server.fail_prompt = first_turn_messages(task2)
+    out = tmp_path / "api.jsonl"
+    # one batch of two tasks, requests in order (task 1 answers first)
+    args = _api_args(server, out, "--problem_ids", "1,2", "--api_concurrency", "1", "--api_max_attempts", "3")
+    summary = generate.main(args)
+    err = capsys.readouterr().err
+    scripted = 'HTTP 500: {"error": {"message": "scripted failure"}}'
+    assert f"[api] 0_2 sample 0 turn 0: {scripted} (attempt 2/3); retrying in " in err
+    assert f"[api] 0_2 sample 0 turn 0: failed: {scripted} (gave up after 3 attempts)" in err
+    assert "retries=2, failed=1" in err and "1 generation(s) failed" in err
+    # task 2's trajectory stops at its failed turn: 1 + 3 requests at turn 0, 1 at turn 1
+    assert len(server.requests) == 5
+    rows = _rows(out)
+    assert [(r["task_key"], r["turn"], r["verdict"]) for r in rows] == [
+        ("0_1", 0, "correct"), ("0_1", 1, "format_error"), ("0_2", 0, "generation_failed")]
+    failed = rows[2]
+    assert failed["generation_error"] == f"{scripted} (gave up after 3 attempts)"
+    assert failed["code"] is None and failed["reward"] is None and failed["response"] == ""
+    assert summary["generation_failures"] == 1 and summary["num_missing"] == 1  # not a wrong answer
+
+    server.fail_prompt = None  # the server recovers: a rerun generates only task 2 again
+    kept = _lines(out)[:2]
+    summary = generate.main(args)
+    assert "1 failed generation(s): their rounds are generated again" in capsys.readouterr().err
+    assert len(server.requests) == 5 + 2
+    assert _lines(out)[:2] == kept
+    assert [(r["task_key"], r["turn"], r["verdict"]) for r in _rows(out)] == [
+        ("0_1", 0, "correct"), ("0_1", 1, "format_error"), ("0_2", 0, "correct"), ("0_2", 1, "format_error")]
+    assert summary["generation_failures"] == 0 and summary["num_missing"] == 0
+
+
+@pytest.mark.parametrize("code, message", [(404, "answered HTTP 404 (check api_base_url"),
+                                           (400, "refused the first request with HTTP 400")])
+def test_api_client_error_fails_fast(tmp_path, server, fake_eval, capsys, code, message):
+    server.failures = [code]
+    out = tmp_path / "api.jsonl"
+    assert message in _usage_error(capsys, _api_args(server, out), status=1)
+    assert len(server.requests) == 1 and _rows(out) == []
+
+
+def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, monkeypatch, capsys):
+    policy = CountingPolicy()
+    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: _scripted_policy(policy))
+    out = tmp_path / "g.jsonl"
+    args = ["--problem_ids", "1", "--num_turns", "2", "--device", "cpu", "--output", str(out)]
+    generate.main(args)
+    good = _lines(out)
+    bad_row = json.dumps({**json.loads(good[0]), "turn": "x"})
+    out.write_text("\n".join([good[0], bad_row, "[1, 2]", good[1], good[1][:30]]))
+    capsys.readouterr()
+    generate.main(args)
+    err = capsys.readouterr().err
+    assert "skipped 3 unusable line(s) (a killed run leaves its last line cut): line 2: turn is 'x', not a count; " \
+           "line 3: not a JSON object; line 5: not a JSON object (" in err
+    assert len(policy.earlier) == 2 and _lines(out) == good  # nothing to regenerate; the bad lines are gone
+
+    msg = _usage_error(capsys, args + ["--temperature", "0.5", "--max_new_tokens", "9"])
+    assert "was written with other settings (temperature 1.0 -> 0.5; max_new_tokens 1024 -> 9" in msg
+    foreign = tmp_path / "other.jsonl"
+    foreign.write_text('{"a": 1}\n{"b": 2}\n')
+    assert "holds no generate.py row (line 1: lacks task_key" in _usage_error(
+        capsys, args[:-1] + [str(foreign)])
+    assert foreign.read_text() == '{"a": 1}\n{"b": 2}\n' and len(policy.earlier) == 2
 
 
 def test_message_codec_round_trips_conversations():
@@ -295,7 +487,7 @@ class ScriptedPolicy:
         self.replies = list(replies)
         self.seen = []
 
-    def complete(self, messages, cfg, seed=None):
+    def complete(self, messages, cfg, seed=None, label="request"):
         self.seen.append(messages)
         return api_policy.Completion(self.replies.pop(0), True)
 
@@ -306,7 +498,7 @@ def _scripted_policy(scripted):
                            api_policy.prompt_budget(8000), counts_tokens=False)
 
 
-def test_stts_end_to_end_with_real_evaluator(tmp_path):
+def test_stts_end_to_end_with_real_evaluator(tmp_path, capsys):
     from drkernel.evaluator import EvalConfig, Evaluator
 
     task = load_bundled([1])[0]
@@ -352,9 +544,10 @@ def test_stts_end_to_end_with_real_evaluator(tmp_path):
         assert [r["verdict"] for r in _rows(cfg.output)] == ["correct", "compile_error", "format_error",
                                                             "format_error", "correct"]
         # another STTS turn budget would renumber the turns: refused
-        with pytest.raises(SystemExit, match="stts_window"):
+        with pytest.raises(SystemExit) as exc:
             generate.run(dataclasses.replace(cfg, stts_window_counts=False), [task], _scripted_policy(again),
                          generate.make_evaluate_fn(ev, ref_dir))
+        assert exc.value.code == 2 and "another STTS window" in capsys.readouterr().err
 
 
 class CountingPolicy:
@@ -363,7 +556,7 @@ class CountingPolicy:
     def __init__(self):
         self.earlier = []
 
-    def complete(self, messages, cfg, seed=None):
+    def complete(self, messages, cfg, seed=None, label="request"):
         self.earlier.append(sum(m["role"] == "assistant" for m in messages))
         return api_policy.Completion(CODE_REPLY, True)
 

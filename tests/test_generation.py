@@ -185,7 +185,7 @@ def test_gumbel_sampling_draws_from_the_filtered_softmax(top_k, top_p):
     torch.testing.assert_close(logps, torch.log(full)[tokens], rtol=0, atol=1e-5)
 
 
-def test_compiled_pick_matches_eager(scalar_cpp):
+def test_compiled_pick_matches_eager():
     """The CUDA decode loop runs the token choice through torch.compile (fullgraph here, so a
     graph break would fail): same tokens and logprobs as eager, for the given noise."""
     from drkernel.generation import _pick

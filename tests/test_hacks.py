@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from drkernel.evaluator import EvalConfig, evaluate
-from tests.test_evaluator import EMBED, HEADER, LEGIT_RELU, TASKS, cfg, relu_candidate, run
+from tests.test_evaluator import EMBED, LEGIT_RELU, TASKS, cfg, relu_candidate, run
 
 ROOT = Path(__file__).resolve().parent.parent
 HACKS_DIR = ROOT / "tests" / "fixtures" / "hacks"
@@ -234,9 +234,8 @@ def test_thread_spawned_static():
 
 def test_thread_spawned_runtime():
     body = """
-    import importlib, time as _t
-    mod = importlib.import_module('thr' + 'eading')
-    mod.Thread(target=_t.sleep, args=(30,), daemon=True).start()
+    import queue, time as _t
+    queue.threading.Thread(target=_t.sleep, args=(30,), daemon=True).start()  # passes the static scan
     return launch(x)
     """
     assert_hack(run("1_ReLU.py", relu_candidate(body)), "thread_spawned")

@@ -1,9 +1,9 @@
-"""drkernel.profiling: strict name matching, share arithmetic, table, CPU behaviour."""
+"""drkernel.profiling: strict name matching, share arithmetic weighed by the data flow, CPU behaviour."""
 
 import pytest
 
 from drkernel import profiling
-from drkernel.profiling import classify_kernel, format_kernel_table, summarize_kernels
+from drkernel.profiling import classify_kernel, summarize_kernels
 
 
 def test_exact_name_match_only():
@@ -21,7 +21,7 @@ def test_exact_name_match_only():
 
 
 def test_shares_and_topk():
-    ev = [("k", 30.0), ("k", 30.0), ("ampere_sgemm_64x64", 30.0), ("triton_poi_fused", 10.0)]
+    ev = [("k", 2, 60.0), ("ampere_sgemm_64x64", 1, 30.0), ("triton_poi_fused", 1, 10.0)]
     s = summarize_kernels(ev, {"k"})
     assert s["triton_time_share"] == pytest.approx(0.6)
     assert s["library_share"] == pytest.approx(0.3)
@@ -38,16 +38,18 @@ def test_empty_and_long_names():
     s = summarize_kernels([], {"k"})
     assert s["triton_time_share"] is None and s["total_device_ms"] == 0.0 and s["kernels"] == []
     long = "void cutlass::Kernel<" + "x" * 300 + ">"
-    s = summarize_kernels([(long, 5.0)], set())
+    s = summarize_kernels([(long, 1, 5.0)], set())
     assert len(s["kernels"][0]["name"]) <= 80
 
 
-def test_format_table():
-    s = summarize_kernels([("k", 10.0), ("sm90_xmma_gemm", 90.0)], {"k"})
-    s["calls"] = 5
-    t = format_kernel_table(s, k=5)
-    assert "10.0%" in t and "sm90_xmma_gemm" in t and "candidate" in t and "library" in t
-    assert "no device profile" in format_kernel_table(None)
+def test_share_counts_only_the_work_the_output_needs():
+    """A heavy candidate kernel whose writes never reach the output adds device time, not share."""
+    rows = [("useful", 5, 20.0), ("busy", 5, 70.0), ("sm90_xmma_gemm", 1, 10.0)]
+    s = summarize_kernels(rows, {"useful", "busy"}, needed={"useful": 1.0, "busy": 0.0})
+    assert s["triton_time_share"] == pytest.approx(0.2)
+    half = summarize_kernels(rows, {"useful", "busy"}, needed={"useful": 1.0, "busy": 0.5})
+    assert half["triton_time_share"] == pytest.approx(0.55)
+    assert summarize_kernels(rows, {"useful", "busy"})["triton_time_share"] == pytest.approx(0.9)
 
 
 def test_profile_cuda_none_without_gpu():
@@ -55,4 +57,4 @@ def test_profile_cuda_none_without_gpu():
 
     if torch.cuda.is_available():
         pytest.skip("GPU present")
-    assert profiling.profile_cuda(lambda: None, {"k"}) is None
+    assert profiling.profile_cuda(lambda: None) is None

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from drkernel.sandbox import ForkServer, SandboxLimits, SandboxPool, SandboxResult, device_lock
+from drkernel.gpushare import device_lock
+from drkernel.sandbox import ForkServer, SandboxLimits, SandboxPool, SandboxResult
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "sandbox"
 ENV = {"PYTHONPATH": str(FIXTURES)}
@@ -164,6 +165,13 @@ def test_too_many_processes(server, tmp_path):
     assert_healthy(server)
 
 
+def test_too_many_threads(server):
+    """Threads count against the job too: a thread bomb is stopped like a fork bomb."""
+    r = server.run(T + "spawn_threads", {"n": 200}, limits=SandboxLimits(max_threads=64, timeout_s=20))
+    assert r.status == "exception" and "too many threads" in r.error, (r.status, r.error)
+    assert_healthy(server)
+
+
 def test_zygote_killed_externally(server):
     assert_healthy(server)
     old = server.pid
@@ -217,7 +225,7 @@ def test_memory_ledger_admits_what_fits_and_forgets_the_dead(tmp_path, monkeypat
     import subprocess
     import threading
 
-    from drkernel.sandbox import MemoryLedger
+    from drkernel.gpushare import MemoryLedger
 
     monkeypatch.setenv("DRKERNEL_LOCK_DIR", str(tmp_path))
     ledger = MemoryLedger(0, capacity_bytes=100)
@@ -264,7 +272,7 @@ def test_zygote_killed_right_before_a_job(server):
 def test_memory_ledger_reserve_can_decline_instead_of_waiting(tmp_path, monkeypatch):
     import subprocess
 
-    from drkernel.sandbox import MemoryLedger
+    from drkernel.gpushare import MemoryLedger
 
     monkeypatch.setenv("DRKERNEL_LOCK_DIR", str(tmp_path))
     ledger = MemoryLedger(0, capacity_bytes=100)
@@ -284,7 +292,7 @@ def test_memory_ledger_reserve_can_decline_instead_of_waiting(tmp_path, monkeypa
 def test_device_lock_writer_lets_readers_in_until_its_patience_runs_out(tmp_path, monkeypatch):
     import threading
 
-    from drkernel.sandbox import DeviceLock
+    from drkernel.gpushare import DeviceLock
 
     monkeypatch.setenv("DRKERNEL_LOCK_DIR", str(tmp_path))
     first, second, late = DeviceLock(0), DeviceLock(0), DeviceLock(0)

@@ -81,68 +81,65 @@ def test_confinement_in_a_child(tmp_path):
 
 
 def test_require_confinement_refuses_when_incomplete(monkeypatch):
-    j = judge.Judge(cfg={"require_confinement": True}, sock=-1, runner_pid=0, runner_dir="",
-                    reference_path="", candidate_path="")
-    monkeypatch.setattr(judge.ipc, "recv", lambda fd, deadline=None: {"ok": True})
-    monkeypatch.setattr(judge.ipc, "allocate", lambda layout, device, d: (None, {}))
-    monkeypatch.setattr(judge.ipc, "view", lambda arena, s: None)
-    j.layout = judge.ipc.Layout(nbytes=512, inputs=[], input_values=[], outputs=[])
-    j.details["output_structure"] = "T"
-    monkeypatch.setattr(judge.Judge, "ask", lambda self, msg: {
+    from drkernel.channel import Channel
+    twin = Channel(sock=-1, pid=0, dir="")
+    r = judge.Reference(cfg=EvalConfig(require_confinement=True), reference_path="", twin=twin)
+    r.layout = judge.ipc.Layout(nbytes=512, inputs=[], input_values=[], outputs=[])
+    r.details["output_structure"] = "T"
+    monkeypatch.setattr(Channel, "receive", lambda self: {"ok": True})
+    monkeypatch.setattr(Channel, "ask", lambda self, msg: {
         "ok": True, "confinement": {"complete": False, "errors": ["Landlock unavailable"]}})
     with pytest.raises(judge.Stop, match="Landlock unavailable"):
-        judge.attach_runner(j)
-    j.cfg["require_confinement"] = False
-    judge.attach_runner(j)
-    assert j.details["confinement"]["errors"] == ["Landlock unavailable"]
+        judge.start_twin(r)
+    r.cfg.require_confinement = False
+    judge.start_twin(r)
+    assert r.details["confinement"]["errors"] == ["Landlock unavailable"]
 
 
 # ---- the judge's clock rules, with synthetic numbers ---------------------------------------
 
 def _judge(device: str = "cuda", **cfg_over) -> judge.Judge:
-    import dataclasses
     import torch
-    j = judge.Judge(cfg={**dataclasses.asdict(EvalConfig()), **cfg_over}, sock=-1, runner_pid=0, runner_dir="",
-                    reference_path="", candidate_path="")
-    j.device = torch.device(device)
-    return j
+
+    from drkernel.channel import Channel
+    r = judge.Reference(cfg=EvalConfig(**cfg_over), reference_path="", twin=Channel(sock=-1, pid=0, dir=""))
+    r.device = torch.device(device)
+    return judge.Judge(ref=r, runner=Channel(sock=-1, pid=0, dir=""), candidate_path="")
 
 
 def test_clock_rule_neutralises_a_forged_timer():
     j = _judge()
-    j.overhead_ms = 0.2
+    j.ref.overhead_ms = 0.2
     honest = judge._accepted_ms(j, [2.0] * 9, [2.35] * 9)  # 0.15 ms over: within the slack
-    assert honest == pytest.approx(2.0) and not j.out["hacks"]
+    assert honest == pytest.approx(2.0) and not j.out.hacks
     j = _judge()
-    j.overhead_ms = 0.2
+    j.ref.overhead_ms = 0.2
     forged = judge._accepted_ms(j, [0.02] * 9, [2.21] * 9)  # claims 0.02 ms, the judge saw 2 ms of work
     assert forged == pytest.approx(2.01)
-    assert j.out["hacks"] == ["side_stream"]
+    assert j.out.hacks == ["side_stream"]
 
 
 def test_reference_slowed_rule():
     j = _judge()
-    j.ref_alone_ms, j.out["ref_ms"] = 2.0, 2.5
+    j.ref.ref_alone_ms, j.out.ref_ms = 2.0, 2.5
     judge._check_reference_slowed(j)
-    j.out["ref_ms"] = 3.5
+    j.out.ref_ms = 3.5
     with pytest.raises(judge.Hacked):
         judge._check_reference_slowed(j)
-    assert j.out["hacks"] == ["reference_slowed"]
+    assert j.out.hacks == ["reference_slowed"]
 
 
 def test_roofline_retimes_and_keeps_the_slower_median(monkeypatch):
     j = _judge()
-    j.io_bytes, j.bandwidth, j.out["ref_ms"], j.perf_n = 4e9, 4e9, 2.0, 100  # roofline 1 ms
-    j.overhead_ms = 0.2
-    monkeypatch.setattr(judge, "_time_candidate", lambda j, seeds, checked, label: ([1.2] * len(seeds),
-                                                                                     [1.5] * len(seeds)))
+    j.ref.io_bytes, j.ref.bandwidth, j.out.ref_ms, j.ref.perf_n = 4e9, 4e9, 2.0, 100  # roofline 1 ms
+    j.ref.overhead_ms = 0.2
+    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label, check: (1.2, 1.5))
     assert judge._roofline(j, 0.5) == pytest.approx(1.2)  # re-timed honestly: above the roofline
-    assert not j.out["hacks"]
-    monkeypatch.setattr(judge, "_time_candidate", lambda j, seeds, checked, label: ([0.3] * len(seeds),
-                                                                                     [0.5] * len(seeds)))
+    assert not j.out.hacks
+    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label, check: (0.3, 0.5))
     with pytest.raises(judge.Hacked):
         judge._roofline(j, 0.3)
-    assert "implausible_speedup" in j.out["hacks"]
+    assert "implausible_speedup" in j.out.hacks
 
 
 # ---- sandbox outcomes that must map to one verdict -----------------------------------------
@@ -193,7 +190,7 @@ def test_evaluate_many_really_runs_workers_at_once():
     body = "return launch(x)"
     extra = "\nimport time\nprint('START', time.time(), flush=True)\ntime.sleep(4)\n"
     ref = (TASKS / "1_ReLU.py").read_text()
-    with Evaluator(cfg(), workers=3) as ev:
+    with Evaluator(cfg(), workers=3, group_size=1) as ev:
         results = ev.evaluate_many([(ref, relu_candidate(body, extra=extra + f"# {i}\n")) for i in range(3)])
     assert all(r.verdict == "correct" for r in results), [(r.verdict, r.error) for r in results]
     starts = sorted(float(r.stdout.split("START")[1].split()[0]) for r in results)

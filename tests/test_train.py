@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drkernel.config import ConfigError, parse_config
+from drkernel.config import ConfigError, check_resume, parse_config
 from drkernel.generation import GenOutput, generate, recompute_logprobs
 from drkernel.loss import policy_loss
 from drkernel.modeling import tiny_random_model
@@ -111,12 +111,17 @@ def test_two_steps_with_real_evaluator_then_exact_resume(tiny_model_dir, tmp_pat
 
     state = json.loads((run_a / "checkpoint-1" / "trainer_state.json").read_text())
     assert state["step"] == 1 and state["sampler"]["index"] == 0 and state["sampler"]["epoch"] == 1
+    assert state["config"] == json.loads(json.dumps(dataclasses.asdict(trainer.cfg)))  # what resuming checks
     assert (run_a / "final" / "model.safetensors").is_file()
 
     # resume from step 1 into a fresh directory: step 2 must come out the same
     run_b = tmp_path / "b"
-    resumed = Trainer(_e2e_cfg(tiny_model_dir, run_b, resume_from=str(run_a / "checkpoint-1")),
-                      generator=solution_generator(tasks))
+    cfg_b = _e2e_cfg(tiny_model_dir, run_b, resume_from=str(run_a / "checkpoint-1"))
+    warnings = check_resume(cfg_b)  # a new directory may continue the run: only warnings
+    assert len(warnings) == 3 and all(k in w for k, w in zip(("output_dir", "resume_from", "log_with"), warnings))
+    with pytest.raises(ConfigError, match="learning_rate"):
+        check_resume(dataclasses.replace(cfg_b, learning_rate=1e-2))
+    resumed = Trainer(cfg_b, generator=solution_generator(tasks))
     assert resumed.step == 1
     again = resumed.train()
     assert [h["step"] for h in again] == [2]
@@ -400,7 +405,7 @@ def test_train_py_dispatches_the_sft_stage(monkeypatch):
 
     seen = []
     fake = types.ModuleType("drkernel.sft")
-    fake.main = lambda argv: seen.append(list(argv)) or 0
+    fake.main = lambda argv, preset, prog: seen.append(list(argv)) or 0
     monkeypatch.setitem(sys.modules, "drkernel.sft", fake)
     monkeypatch.setattr(drkernel, "sft", fake, raising=False)
     spec = importlib.util.spec_from_file_location("train_entry", ROOT / "train.py")
@@ -442,20 +447,6 @@ def test_generation_options_reach_the_generation_config():
     assert TrainConfig().generation_config().compile is False
 
 
-def test_train_py_without_options_runs_the_quick_preset(monkeypatch):
-    """`train.py` alone runs configs/cpu_quick.yaml (the library defaults are the paper's long
-    settings); any option means the caller chose, and no preset is added."""
-    import train
-    from drkernel import trainer
-
-    seen = []
-    monkeypatch.setattr(trainer, "main", lambda argv: seen.append(list(argv)) or 0)
-    assert train.main([]) == 0 and seen[-1] == ["--config", str(train.QUICK)]
-    assert train.QUICK.is_file()
-    train.main(["--max_steps", "1"])
-    assert seen[-1] == ["--max_steps", "1"]
-
-
 def test_quick_preset_is_the_warm_started_small_run():
     """The README's default run: the bundled adapter on SmolLM2, a short run that a CPU finishes."""
     import train
@@ -463,7 +454,7 @@ def test_quick_preset_is_the_warm_started_small_run():
     from drkernel.modeling import WARM_START, WARM_START_DIR
     from drkernel.trainer import TrainConfig
 
-    cfg = parse_config(TrainConfig, ["--config", str(train.QUICK)])
+    cfg = parse_config(TrainConfig, ["--config", str(train.STAGES["rl"].preset)])
     assert cfg.model == WARM_START and (WARM_START_DIR / "adapter_model.safetensors").is_file()
     assert cfg.max_steps * cfg.tasks_per_step * cfg.num_generations * cfg.num_turns <= 8
     assert cfg.prs_missing_profile == "keep"

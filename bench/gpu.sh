@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Every GPU measurement of this project, as stages of one device call (each under its own timeout,
+# so that one overrun leaves the others' results; JSON lands flat in $OUT). Before the call:
+#   cp -r ../shared/kernelbench .bench_data/kernelbench      # carried: carry=[".bench_data"]
+# STAGES picks, in order (default: all, about 25 minutes on one H200):
+#   hacks       every hack, legit, fault and attack fixture through the evaluator (bench/hacks.py)
+#   neighbours  4 honest kernels alone, then beside a hostile one with 4 runners (bench/neighbours.py)
+#   ref_self    the reference against itself: every level-1-3 problem once, then 20 repeats of the
+#               launch-bound MobileNetV1/V2 and ResNet18 (bench/ref_self.py)
+#   solutions   bench/solutions against the eager and the torch.compile baseline (bench/evaluator.py)
+#   throughput  candidates a minute: the full-size mixed set (1 and N runners), the RL-shaped batch
+#               (8 problems x 16 candidates, N runners) (bench/eval_throughput.py)
+#   cli         the evaluator CLI's wall time for one level-1 evaluation, three times
+#   costs       the judge's per-call costs on real sizes (bench/judge_costs.py)
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-bench/results}
+KB=${KB:-.bench_data/kernelbench}
+N=${N:-6}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+for stage in ${STAGES:-hacks neighbours ref_self solutions throughput cli costs}; do
+    echo "== $stage"
+    case $stage in
+    hacks) timeout 300 python bench/hacks.py --kernelbench "$KB" --out "$OUT/hacks.json" 2>&1 | tail -80 ;;
+    neighbours) timeout 180 python bench/neighbours.py --kernelbench "$KB" --workers 4 \
+        --out "$OUT/neighbours.json" 2>&1 | tail -12 ;;
+    ref_self) timeout 420 python bench/ref_self.py --kernelbench "$KB" --out "$OUT/ref_self.json" 2>&1 | tail -40 ;;
+    solutions)
+        timeout 150 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
+            --out "$OUT/solutions_eager.json" 2>&1 | tail -20
+        timeout 240 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 --baseline compile \
+            --out "$OUT/solutions_compile.json" 2>&1 | tail -20 ;;
+    throughput)
+        timeout 420 python bench/eval_throughput.py --kernelbench "$KB" --set full --workers "1,$N" \
+            --json "$OUT/eval_throughput_full.json" 2>&1 | tail -60
+        timeout 300 python bench/eval_throughput.py --kernelbench "$KB" --set rl --workers "$N" \
+            --json "$OUT/eval_throughput_rl.json" 2>&1 | tail -40 ;;
+    cli)
+        python -c "from drkernel.tasks import load_kernelbench as l
+open('/tmp/ref.py', 'w').write(next(t for t in l('$KB', 1) if t.problem_id == 19).code)"
+        for i in 1 2 3; do
+            /usr/bin/time -f "cli wall %e s" python -m drkernel.evaluator --reference /tmp/ref.py \
+                --candidate bench/solutions/level1_19_ReLU.py --json 2>&1 | tail -2
+        done ;;
+    costs) timeout 60 python bench/judge_costs.py --kernelbench "$KB" --problems 1:19,1:36,2:12 \
+        --json "$OUT/judge_costs.json" 2>&1 | tail -8 ;;
+    esac
+done

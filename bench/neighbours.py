@@ -1,0 +1,92 @@
+"""Hostile neighbours on one GPU (GPU): honest kernels evaluated alone, then beside hostile ones.
+
+Four of our level-1 solutions at full KernelBench size are evaluated with one worker (serial), then
+again with `--workers` runners on the same GPU together with hostile candidates (by default the
+fixture that leaves a spin kernel running after its answers). Verdicts and hack codes of the
+honest kernels must be identical, and their speedups within `--tolerance` (3 %) of serial.
+
+    python bench/neighbours.py --kernelbench ../shared/kernelbench --out $OUT/neighbours.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
+from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
+
+HONEST = ("level1_19_ReLU.py", "level1_23_Softmax.py", "level1_21_Sigmoid.py", "level1_36_RMSNorm_.py")
+HOSTILE = ("tests/fixtures/hacks/neighbour_spin_after_reply.py",)
+
+
+def honest_pairs(kernelbench: str) -> list[tuple[str, str, str]]:
+    """(name, reference code, candidate code) of the honest solutions."""
+    tasks = {t.problem_id: t for t in load_kernelbench(kernelbench, 1)}
+    out = []
+    for name in HONEST:
+        pid = int(name.split("_")[1])
+        out.append((name, tasks[pid].code, (ROOT / "bench/solutions" / name).read_text()))
+    return out
+
+
+def hostile_pairs() -> list[tuple[str, str, str]]:
+    out = []
+    for rel in HOSTILE:
+        path = ROOT / rel
+        task = next(line.split(":", 1)[1].strip() for line in path.read_text().splitlines() if line.startswith("# task:"))
+        out.append((path.name, (BUNDLED_DIR / task).read_text(), path.read_text()))
+    return out
+
+
+def run(pairs: list[tuple[str, str, str]], workers: int) -> tuple[dict, float]:
+    t0 = time.perf_counter()
+    with Evaluator(EvalConfig(device="cuda"), workers=workers) as ev:
+        results = ev.evaluate_many([(ref, cand) for _, ref, cand in pairs])
+    return {name: r for (name, _, _), r in zip(pairs, results)}, time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernelbench", default="../shared/kernelbench")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--tolerance", type=float, default=0.03)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "neighbours.json"))
+    args = ap.parse_args()
+    honest = honest_pairs(args.kernelbench)
+    serial, serial_s = run(honest, 1)
+    mixed, mixed_s = run(hostile_pairs() + honest, args.workers)
+    rows = []
+    for name, _, _ in honest:
+        a, b = serial[name], mixed[name]
+        drift = abs(b.speedup / a.speedup - 1) if a.speedup and b.speedup else None
+        rows.append({"file": name, "serial": [a.verdict, a.hacks, a.speedup], "beside_hostile": [b.verdict, b.hacks, b.speedup],
+                     "speedup_drift": drift, "ok": a.verdict == b.verdict and a.hacks == b.hacks
+                     and (drift is None or drift <= args.tolerance),
+                     "idle_wait_s": b.details.get("idle_wait_s"), "retried_alone": b.details.get("retried_alone")})
+    hostile = [{"file": n, "verdict": mixed[n].verdict, "hacks": mixed[n].hacks} for n, _, _ in hostile_pairs()]
+    summary = {"serial_s": serial_s, "mixed_s": mixed_s, "workers": args.workers, "rows": rows, "hostile": hostile,
+               "all_ok": all(r["ok"] for r in rows)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
+    print(f"{'honest kernel':28s} {'serial':>22s} {'beside hostile':>22s} {'drift':>7s} {'idle wait':>9s} ok")
+    for r in rows:
+        s, m = r["serial"], r["beside_hostile"]
+        print(f"{r['file']:28s} {s[0]:>12s} {s[2] or 0:9.3f} {m[0]:>12s} {m[2] or 0:9.3f} "
+              f"{(r['speedup_drift'] or 0) * 100:6.2f}% {r['idle_wait_s'] or 0:9.3f} {'yes' if r['ok'] else 'NO'}")
+    for h in hostile:
+        print(f"hostile {h['file']}: {h['verdict']} {h['hacks']}")
+    print(f"serial {serial_s:.1f} s, with {args.workers} workers beside hostile {mixed_s:.1f} s; "
+          f"{'all within' if summary['all_ok'] else 'NOT all within'} {args.tolerance:.0%}")
+    return 0 if summary["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

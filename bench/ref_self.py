@@ -1,0 +1,113 @@
+"""The reference timed against itself (GPU): a copy of each KernelBench reference as a torch-only
+candidate, whose speedup must come out ~1.0 on every problem, launch-bound ones included.
+
+Every selected problem once (`--levels`, default all three: 250 problems), then `--repeat`
+problems `--repeats` times each (default: MobileNetV1, MobileNetV2 and ResNet18, 20 times, the
+launch-bound models whose numbers were noise). All through one `Evaluator.evaluate_many` per part,
+with `--workers` runners per GPU (default: the evaluator's own choice). Prints a table per problem
+and the summary the issue asks for: the median speedup, how many lie in [0.95, 1.05], the worst;
+writes JSON (`--out`).
+
+    python bench/ref_self.py --kernelbench .bench_data/kernelbench --out $OUT/ref_self.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.evaluator import reference_as_candidate  # noqa: E402
+from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
+from drkernel.tasks import load_kernelbench  # noqa: E402
+
+BAND = (0.95, 1.05)
+LAUNCH_BOUND = ("MobileNetV1", "MobileNetV2", "ResNet18")
+
+
+def run(tasks: list, cfg: EvalConfig, workers: int | None) -> tuple[list, float]:
+    """Each task's reference against a copy of itself; the results and the wall seconds."""
+    pairs = [(t.code, reference_as_candidate(t.code) + f"# copy {i}\n") for i, t in enumerate(tasks)]
+    t0 = time.perf_counter()
+    with Evaluator(cfg, workers=workers) as ev:
+        results = ev.evaluate_many(pairs)
+    return results, time.perf_counter() - t0
+
+
+def rows_of(tasks: list, results: list) -> list[dict]:
+    return [{"problem": t.key, "name": t.name, "verdict": r.verdict, "speedup": r.speedup,
+             "interval": r.speedup_interval, "precise": r.speedup_precise, "ref_ms": r.ref_ms,
+             "timed_calls": r.details.get("timed_calls"), "error": (r.error or "")[:200]}
+            for t, r in zip(tasks, results)]
+
+
+def summary(rows: list[dict]) -> dict:
+    speedups = [r["speedup"] for r in rows if r["speedup"] is not None]
+    inside = [s for s in speedups if BAND[0] <= s <= BAND[1]]
+    worst = max(rows, key=lambda r: abs((r["speedup"] or 0) - 1), default=None)
+    return {"n": len(rows), "timed": len(speedups), "median": statistics.median(speedups) if speedups else None,
+            "in_band": len(inside), "worst": worst and (worst["name"], worst["speedup"]),
+            "not_correct": [(r["name"], r["verdict"], r["error"][:80]) for r in rows if r["verdict"] != "correct"]}
+
+
+def print_table(title: str, rows: list[dict], s: dict, wall: float) -> None:
+    print(f"\n== {title}: {s['n']} evaluations in {wall:.0f} s")
+    for r in rows:
+        sp, iv = r["speedup"], r["interval"] or [None, None]
+        flag = "" if sp is not None and BAND[0] <= sp <= BAND[1] else "  <-- outside"
+        print(f"{r['problem']:>7} {r['name'][:44]:44s} {r['verdict']:>12s} {sp or 0:7.3f} "
+              f"[{iv[0] or 0:.3f}, {iv[1] or 0:.3f}] {'precise' if r['precise'] else 'ROUGH':>7s} "
+              f"ref {r['ref_ms'] or 0:8.3f} ms{flag}")
+    med = s["median"]
+    print(f"median {med:.4f}, {s['in_band']}/{s['timed']} in {list(BAND)}, worst {s['worst']}; "
+          f"not correct: {len(s['not_correct'])}" if med else "no speedups")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernelbench", default="../shared/kernelbench")
+    ap.add_argument("--levels", default="1,2,3")
+    ap.add_argument("--limit", type=int, default=0, help="at most this many problems per level (0: all)")
+    ap.add_argument("--repeat", default=",".join(LAUNCH_BOUND), help="name substrings of problems to repeat")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--workers", type=int, default=0, help="runners per GPU (0: the evaluator's default)")
+    ap.add_argument("--baseline", default="eager")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "ref_self.json"))
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",") if x]
+    tasks = [t for lvl in levels for t in load_kernelbench(args.kernelbench, lvl)[: args.limit or None]]
+    cfg = EvalConfig(device="cuda", require_triton=False, baseline=args.baseline)
+    out = {"config": vars(args)}
+    if tasks:
+        results, wall = run(tasks, cfg, args.workers or None)
+        rows = rows_of(tasks, results)
+        out["all"] = {"rows": rows, "summary": summary(rows), "wall_s": wall}
+        print_table("every problem once", rows, out["all"]["summary"], wall)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1, default=str))  # kept if the repeats are cut short
+    keys = [k for k in args.repeat.split(",") if k]
+    every = [t for lvl in (1, 2, 3) for t in load_kernelbench(args.kernelbench, lvl)]
+    picked = [next(t for t in every if k in t.name) for k in keys]
+    if picked and args.repeats:
+        reps = [t for t in picked for _ in range(args.repeats)]
+        results, wall = run(reps, cfg, args.workers or None)
+        rows = rows_of(reps, results)
+        out["repeats"] = {"rows": rows, "wall_s": wall, "per_problem": {
+            t.name: summary([r for r in rows if r["name"] == t.name]) for t in picked}}
+        print_table(f"{args.repeats} repeats of {', '.join(keys)}", rows, summary(rows), wall)
+        for name, s in out["repeats"]["per_problem"].items():
+            print(f"{name}: {s['in_band']}/{s['timed']} in {list(BAND)}, median {s['median']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""The judge's side of one runner process: one request, one answer, then silence.
+
+A `Channel` is a runner (a candidate's, or the reference twin) seen from the judge. Every request
+carries a random nonce its reply must echo; nothing may wait on the socket after the reply; the
+runner's process group is stopped (SIGSTOP) from the moment a reply arrives until the next request
+is sent, so nothing it runs after answering can touch the arena or the GPU; and once the runner has
+described its evidence machinery (before any candidate code exists), every reply must carry a
+digest of it keyed by the nonce. A reply that breaks any of these is `forged_reply` (or
+`patched_function` for the digest); a runner that dies or falls silent ends its evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import secrets
+import select
+import signal
+import time
+
+from drkernel import ipc, procfs
+
+_CUDA_FAULTS = ("CUDA error", "illegal memory access", "device-side assert")
+
+
+class Stop(Exception):
+    """A final non-hack verdict."""
+
+    def __init__(self, verdict: str, error: str):
+        super().__init__(error)
+        self.verdict, self.error = verdict, error
+
+
+class Hacked(Exception):
+    def __init__(self, code: str, detail: str):
+        super().__init__(detail)
+        self.code, self.detail = code, detail
+
+
+def evidence_digest(nonce: str, state: str) -> str:
+    """What a runner's reply must carry: its evidence machinery's description, keyed by the nonce."""
+    import hashlib
+    return hashlib.sha256(f"{nonce}\n{state}".encode()).hexdigest()
+
+
+@dataclasses.dataclass
+class Channel:
+    """One runner process and the requests to it."""
+    sock: int
+    pid: int
+    dir: str
+    zygote_pid: int = 0  # the sandbox's fork server (strays re-parented to it are this job's)
+    deadline: float = 0.0
+    pending: str = ""  # the nonce of a request sent but not yet answered
+    evidence_state: str = ""
+    threads_before: int = 0
+    siblings: tuple[int, ...] = ()  # the job's other runners (children of the zygote, like the judge)
+
+    def send(self, msg: dict) -> str:
+        """The runner let go and one request sent; returns its nonce."""
+        nonce = secrets.token_hex(16)
+        _signal_group(self.pid, signal.SIGCONT)
+        try:
+            ipc.send(self.sock, {**msg, "nonce": nonce})
+        except OSError as exc:
+            raise self.gone(exc) from None
+        self.pending = nonce
+        return nonce
+
+    def receive(self) -> dict:
+        """The reply to the pending request; the runner is stopped the moment it arrives."""
+        try:
+            reply = ipc.recv(self.sock, self.deadline)
+        except (OSError, ipc.ChannelClosed) as exc:
+            raise self.gone(exc) from None
+        finally:
+            self.freeze()
+        self._check(reply)
+        return reply
+
+    def ask(self, msg: dict) -> dict:
+        self.send(msg)
+        return self.receive()
+
+    def freeze(self, patience_s: float = 2.0) -> None:
+        """Stop every process of the runner's group and wait until each thread of the runner is
+        stopped: until the next request nothing it runs can touch the arena or the GPU."""
+        if not _signal_group(self.pid, signal.SIGSTOP):
+            return
+        end = time.monotonic() + patience_s
+        while not procfs.stopped(self.pid):
+            if time.monotonic() > end:
+                raise Stop("crashed", "the candidate's process could not be stopped between requests")
+            time.sleep(0.0002)
+
+    def _check(self, reply: dict) -> None:
+        nonce, self.pending = self.pending, ""
+        if reply.get("nonce") != nonce:
+            raise Hacked("forged_reply", "a reply that does not answer the current request (wrong or missing nonce)")
+        if select.select([self.sock], [], [], 0)[0]:
+            raise Hacked("forged_reply", "the runner sent data nobody asked for")
+        if self.evidence_state and reply.get("evidence") != evidence_digest(nonce, self.evidence_state):
+            raise Hacked("patched_function", "the runner's launch hook, data-flow log or integrity checks were "
+                                             "replaced after the candidate was imported")
+
+    def gone(self, exc: BaseException) -> Stop:
+        """The runner died or stopped answering: a crash (how, from /proc while it is a zombie) or a timeout."""
+        if isinstance(exc, ipc.ChannelClosed) and "in time" in str(exc):
+            return Stop("timeout", "the candidate did not answer before the time limit")
+        how, st = "exited", procfs.stat(self.pid)
+        if st is not None and os.WIFSIGNALED(st.exit_code):
+            how = f"was killed by {signal.Signals(os.WTERMSIG(st.exit_code)).name}"
+        elif st is not None and os.WIFEXITED(st.exit_code) and st.state == "Z":
+            how = f"exited with code {os.WEXITSTATUS(st.exit_code)} (os._exit?)"
+        return Stop("crashed", f"the candidate's process {how} without a result ({exc})")
+
+    def strays(self) -> list[int]:
+        """Processes of this runner's besides itself: its descendants, and any process that left
+        its group and was re-parented to the zygote (neither the judge nor one of `siblings`)."""
+        if self.pid <= 0:
+            return []
+        return procfs.descendants(self.pid) + self._escaped()
+
+    def _escaped(self) -> list[int]:
+        if not self.zygote_pid:
+            return []
+        known = {os.getpid(), self.pid, *self.siblings}
+        out = [p for p in procfs.children(self.zygote_pid) if p not in known]
+        return out + [d for p in out for d in procfs.descendants(p)]
+
+    def kill(self) -> None:
+        """The runner and its group gone for good (its CUDA context with it)."""
+        if not _signal_group(self.pid, signal.SIGKILL):
+            return
+        for _ in range(2000):
+            st = procfs.stat(self.pid)
+            if st is None or st.state in ("Z", "X"):
+                return
+            time.sleep(0.001)
+
+    def output(self, name: str, limit: int) -> str:
+        """The head of what the runner printed (`stdout` or `stderr` in its directory)."""
+        try:
+            with open(os.path.join(self.dir, name), "rb") as fh:
+                data = fh.read(4 * limit)
+        except OSError:
+            return ""
+        return short(data.decode("utf-8", "replace"), limit)
+
+
+def _signal_group(pid: int, sig: int) -> bool:
+    """`sig` to the process group `pid` leads; False for no group (0 would be the judge's own)."""
+    if pid <= 0:
+        return False
+    with contextlib.suppress(OSError):
+        os.killpg(pid, sig)
+    return True
+
+
+def short(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n // 2] + "\n...[truncated]...\n" + text[-n // 2:]
+
+
+def runner_error(reply: dict, what: str) -> Stop:
+    """The runner reported that the candidate raised."""
+    err = str(reply.get("error", ""))[:1500]
+    if any(k in err for k in _CUDA_FAULTS):
+        return Stop("runtime_error", "CUDA error: " + err[:600])
+    return Stop("runtime_error", f"{what}: {err}")
+
+
+def exception_text(prefix: str, exc: BaseException) -> str:
+    msg = f"{type(exc).__name__}: {exc}"
+    if any(k in msg for k in _CUDA_FAULTS):
+        return "CUDA error: " + short(msg, 400)
+    return short(f"{prefix}: {msg}", 600)

@@ -1,0 +1,169 @@
+"""Which of the candidate's Triton launches did work that its output needs.
+
+A decoy candidate launches a kernel (it may be heavy: read the whole input, loop, write a scratch
+buffer or even the output buffer) and computes the answer with torch. It can tell a skipped
+launch from a real one (a sentinel its kernel writes, Triton's own pre-run hooks), so a no-op run
+alone cannot catch it. Data flow does not ask the candidate anything: during ordinary checked
+calls the runner logs every aten op (what it read, what it wrote) and every Triton launch (its
+tensor arguments by parameter), and the judge replays the log: a launch is *needed* when the
+output's storages were last written by it, or by ops that (transitively) read what it wrote.
+Which parameters a kernel writes through comes from its source text (`drkernel.triton_source`),
+read by the judge. A torch op that overwrites a whole buffer (`copy_`, `fill_`, an `out=`
+argument) cuts what was written there before.
+
+Runner side: `FlowLog` (a TorchDispatchMode) and `Event`s; judge side: `needed_launches`.
+Storages are keyed by their data pointer (views share their base's key); tensors inside the
+judge's arena (the inputs) are keyed by their own start, one key per input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from drkernel.compare import tensors
+
+MAX_EVENTS = 50000  # a level-3 forward logs a few thousand; past this the log is marked truncated
+
+# in-place ops that overwrite their first argument without reading it
+_OVERWRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "bernoulli_",
+                         "exponential_", "geometric_", "cauchy_", "log_normal_", "set_"})
+
+
+@dataclasses.dataclass
+class Event:
+    """One op or launch. `reads`: keys read; `fresh`/`over`: keys whose whole storage it wrote
+    (new, or overwritten); `partial`: keys it wrote only in part or after reading them. A launch
+    has `kernel` set and `args` (parameter, key) for its tensor arguments instead."""
+    name: str
+    reads: list[int] = dataclasses.field(default_factory=list)
+    fresh: list[int] = dataclasses.field(default_factory=list)
+    over: list[int] = dataclasses.field(default_factory=list)
+    partial: list[int] = dataclasses.field(default_factory=list)
+    kernel: str | None = None
+    args: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+
+    def to_list(self) -> list:
+        """The wire form (a log may hold tens of thousands of events)."""
+        return [self.name, self.reads, self.fresh, self.over, self.partial, self.kernel, self.args]
+
+    @classmethod
+    def from_list(cls, item) -> "Event":
+        """An event from the runner's untrusted wire form; ValueError when it is malformed."""
+        if not isinstance(item, list) or len(item) != 7:
+            raise ValueError("malformed data-flow event")
+        name, reads, fresh, over, partial, kernel, args = item
+        keys = [_ints(x) for x in (reads, fresh, over, partial)]
+        pairs = [(str(p), int(k)) for p, k in args] if isinstance(args, list) else []
+        return cls(str(name), *keys, kernel=str(kernel) if kernel is not None else None, args=pairs)
+
+
+def _ints(xs) -> list[int]:
+    if not isinstance(xs, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in xs):
+        raise ValueError("malformed data-flow keys")
+    return xs
+
+
+class Keys:
+    """Storage keys of tensors, with the judge's arena split into one key per tensor."""
+
+    def __init__(self, arena: torch.Tensor | None = None):
+        self.arena = (arena.data_ptr(), arena.data_ptr() + arena.numel()) if arena is not None else None
+
+    def key(self, t: torch.Tensor) -> int:
+        base = t.untyped_storage().data_ptr()
+        if self.arena is not None and self.arena[0] <= base < self.arena[1]:
+            return t.data_ptr()
+        return base
+
+    def whole(self, t: torch.Tensor) -> bool:
+        """Whether `t` spans its whole storage (a write to it leaves nothing older there)."""
+        st = t.untyped_storage()
+        return t.storage_offset() == 0 and t.numel() * t.element_size() >= st.nbytes() and t.is_contiguous()
+
+
+def _mutated(func, args, kwargs) -> list[tuple[torch.Tensor, bool]]:
+    """(tensor, is an out= argument) for each argument the op's schema marks as written."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = kwargs.get(arg.name) if arg.kwarg_only or arg.name in kwargs else (args[i] if i < len(args) else None)
+        out += [(t, arg.kwarg_only) for t in tensors(value)]
+    return out
+
+
+class FlowLog(TorchDispatchMode):
+    """Logs every aten op run under it as an `Event`; `launch` adds a Triton launch in order."""
+
+    def __init__(self, keys: Keys):
+        super().__init__()
+        self.keys = keys
+        self.events: list[Event] = []
+        self.truncated = False
+        self.paused = 0  # inside a launch (Triton's interpreter copies its arguments with torch ops)
+
+    def _add(self, event: Event) -> None:
+        if len(self.events) >= MAX_EVENTS:
+            self.truncated = True
+            return
+        self.events.append(event)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.paused:
+            self._add(self._event(func, args, kwargs, out))
+        return out
+
+    def _event(self, func, args, kwargs, out) -> Event:
+        name = func._schema.name.split("::")[-1]
+        mutated = _mutated(func, args, kwargs)
+        written = {id(t) for t, _ in mutated}
+        inputs = [t for t in tensors([args, kwargs]) if id(t) not in written]
+        ev = Event(name=name, reads=sorted({self.keys.key(t) for t in inputs}))
+        for t, is_out in mutated:
+            overwrite = is_out or name in _OVERWRITES
+            key = self.keys.key(t)
+            if overwrite and self.keys.whole(t):
+                ev.over.append(key)
+            else:
+                ev.partial.append(key)
+                if not overwrite:
+                    ev.reads.append(key)
+        known = set(ev.reads) | set(ev.over) | set(ev.partial)
+        ev.fresh = sorted({k for k in (self.keys.key(t) for t in tensors(out)) if k not in known})
+        return ev
+
+    def launch(self, kernel: str, args: list[tuple[str, torch.Tensor]]) -> None:
+        self._add(Event(name=kernel, kernel=kernel, args=[(p, self.keys.key(t)) for p, t in args]))
+
+
+def needed_launches(events: list[Event], output_keys: list[int], stores: dict[str, frozenset[str]]) -> list[bool]:
+    """For each launch event in order: whether the output depends on what it wrote. A launch of
+    a kernel not in `stores` (not the candidate's own) may write any argument."""
+    writers: dict[int, set[int]] = {}
+    deps: list[set[int]] = []
+    for i, ev in enumerate(events):
+        reads = [k for _, k in ev.args] if ev.kernel is not None else ev.reads
+        deps.append(set().union(*(writers.get(k, set()) for k in reads)))
+        for k in ev.fresh + ev.over:
+            writers[k] = {i}
+        written = ev.partial if ev.kernel is None else [k for p, k in ev.args
+                                                          if ev.kernel not in stores or p in stores[ev.kernel]]
+        for k in written:
+            writers[k] = writers.get(k, set()) | {i}
+    needed = _ancestors(deps, set().union(*(writers.get(k, set()) for k in output_keys)))
+    return [i in needed for i, ev in enumerate(events) if ev.kernel is not None]
+
+
+def _ancestors(deps: list[set[int]], start: set[int]) -> set[int]:
+    seen, todo = set(), list(start)
+    while todo:
+        i = todo.pop()
+        if i not in seen:
+            seen.add(i)
+            todo.extend(deps[i])
+    return seen

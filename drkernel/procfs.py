@@ -1,0 +1,81 @@
+"""What /proc says about a process: its state, parent, group, threads, memory and children.
+
+Read by the sandbox's supervisor (limits) and by the judge (the runner stopped between requests,
+how it died, what it left running). Every reader returns None or an empty list for a process that
+is gone or unreadable, never raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stat:
+    """Fields of /proc/<pid>/stat (proc(5))."""
+    state: str  # R running, S sleeping, T stopped, t traced, Z zombie, X dead, ...
+    ppid: int
+    pgrp: int
+    threads: int
+    rss_bytes: int
+    exit_code: int  # the wait status, readable while the process is a zombie
+
+
+def stat(pid: int, tid: int | None = None) -> Stat | None:
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return None
+    rest = raw[raw.rfind(b")") + 2:].split()  # the command name may hold spaces and parentheses
+    try:
+        return Stat(state=rest[0].decode(), ppid=int(rest[1]), pgrp=int(rest[2]), threads=int(rest[17]),
+                    rss_bytes=int(rest[21]) * _PAGE, exit_code=int(rest[49]))
+    except (IndexError, ValueError):
+        return None
+
+
+def pids() -> list[int]:
+    """Every process on the machine (as far as this process may see)."""
+    return [int(n) for n in os.listdir("/proc") if n.isdigit()]
+
+
+def tids(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()]
+    except OSError:
+        return []
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of every thread of `pid`."""
+    out = []
+    for tid in tids(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as fh:
+                out += [int(c) for c in fh.read().split()]
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    out, todo = [], children(pid)
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children(child))
+    return out
+
+
+def stopped(pid: int) -> bool:
+    """Every thread of `pid` is stopped (or the process is gone)."""
+    for tid in tids(pid):
+        st = stat(pid, tid)
+        if st is not None and st.state not in ("T", "t", "Z", "X"):
+            return False
+    return True

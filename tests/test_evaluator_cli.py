@@ -1,0 +1,146 @@
+"""`python -m drkernel.evaluator`: flags, defaults in --help, value and device checks, exit status
+and the JSON line. `main` runs in-process; `evaluate` is a recording fake except in the one
+end-to-end run."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+import drkernel.evaluator as evaluator
+from drkernel.evaluator import VERDICTS, EvalConfig, EvalResult
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "drkernel" / "data" / "tasks" / "1_ReLU.py"
+CANDIDATE = ROOT / "drkernel" / "data" / "solutions" / "1_ReLU.py"
+FILES = ["--reference", str(REFERENCE), "--candidate", str(CANDIDATE)]
+
+
+class FakeEvaluate:
+    """Stands in for `drkernel.evaluator.evaluate`: records each configuration, answers `correct`."""
+
+    def __init__(self):
+        self.configs: list[EvalConfig] = []
+
+    def __call__(self, reference, candidate, cfg=None, reward_config=None):
+        self.configs.append(cfg)
+        return EvalResult(verdict="correct", compiled=True, correct=True, device=cfg.device)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    recorder = FakeEvaluate()
+    monkeypatch.setattr(evaluator, "evaluate", recorder)
+    return recorder
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_underscore_and_dashed_spellings_reach_the_config(fake, capsys):
+    code = evaluator.main([*FILES, "--device", "cpu", "--perf_trials", "7", "--cpu-perf-trials", "2",
+                           "--warmup", "0", "--max_rss_mb", "512", "--atol", "0.5", "--rtol_fp32", "0.25",
+                           "--profile", "false", "--no-second-distribution", "--require_triton", "false",
+                           "--require-confinement", "false", "--cache_dir", "/tmp/x", "--seed", "3"])
+    assert code == 0
+    (cfg,) = fake.configs
+    assert (cfg.perf_trials, cfg.cpu_perf_trials, cfg.warmup, cfg.max_rss_mb, cfg.seed) == (7, 2, 0, 512, 3)
+    assert (cfg.atol_fp32, cfg.rtol_fp32, cfg.cache_dir) == (0.5, 0.25, "/tmp/x")
+    assert not (cfg.profile or cfg.second_distribution or cfg.require_triton or cfg.require_confinement)
+    assert cfg.trials == EvalConfig().trials  # an unset flag keeps the dataclass default
+    assert "verdict: correct" in capsys.readouterr().out
+
+
+def test_help_shows_every_default_and_the_exit_status(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        evaluator.main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    options = text.split("options:", 1)[1].split("\n  --")  # one entry per flag
+    defaults = EvalConfig()
+    for name in ("device", "trials", "perf_trials", "cpu_perf_trials", "warmup", "timeout", "seed", "atol_fp32",
+                 "rtol_fp32", "profile", "second_distribution", "require_triton", "require_confinement",
+                 "cache_dir", "max_rss_mb"):
+        entry = next((" ".join(o.split()) for o in options if o.startswith(f"{name} ")), None)
+        assert entry is not None, f"--{name} missing from --help"
+        assert f"(default: {getattr(defaults, name)!r})" in entry, entry
+    assert "exit status" in text and "usage error" in text
+
+
+def test_bad_flag_with_json_exits_2_with_a_json_line(fake, capsys):
+    assert evaluator.main([*FILES, "--bogus", "1", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert last_json(captured.out) == {"error": "unrecognized arguments: --bogus 1", "usage_error": True}
+    assert "--bogus" in captured.err
+    assert fake.configs == []
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--timeout", "0"), ("--timeout", "-5"), ("--timeout", "nan"), ("--timeout", "inf"), ("--trials", "0"),
+    ("--perf_trials", "0"), ("--cpu_perf_trials", "0"), ("--warmup", "-1"), ("--atol", "0"),
+    ("--rtol_fp32", "nan"), ("--max_rss_mb", "-1"), ("--seed", "-1"), ("--trials", "1.5"), ("--profile", "maybe"),
+])
+def test_bad_values_are_usage_errors_not_verdicts(fake, capsys, flag, value):
+    assert evaluator.main([*FILES, "--device", "cpu", flag, value, "--json"]) == 2
+    out = last_json(capsys.readouterr().out)
+    assert out["usage_error"] is True and flag in out["error"]
+    assert fake.configs == []
+
+
+def test_cuda_without_a_gpu_is_a_usage_error(fake, no_gpu, capsys):
+    for device in ("cuda", "cuda:0"):
+        assert evaluator.main([*FILES, "--device", device, "--json"]) == 2
+        out = last_json(capsys.readouterr().out)
+        assert out["usage_error"] is True and "no GPU" in out["error"]
+    assert fake.configs == []
+
+
+def test_cuda_index_out_of_range_is_a_usage_error(fake, monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert evaluator.main([*FILES, "--device", "cuda:1", "--json"]) == 2
+    assert "only 1 GPU" in last_json(capsys.readouterr().out)["error"]
+    assert evaluator.main([*FILES, "--device", "cuda:0", "--json"]) == 0
+    assert [c.device for c in fake.configs] == ["cuda:0"]
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:-1", "gpu"])
+def test_unknown_device_is_a_usage_error(fake, capsys, device):
+    assert evaluator.main([*FILES, "--device", device, "--json"]) == 2
+    assert "bad --device" in last_json(capsys.readouterr().out)["error"]
+    assert fake.configs == []
+
+
+def test_missing_file_is_a_usage_error(fake, tmp_path, capsys):
+    missing = str(tmp_path / "missing.py")
+    assert evaluator.main(["--reference", str(REFERENCE), "--candidate", missing, "--device", "cpu", "--json"]) == 2
+    assert "no such file" in last_json(capsys.readouterr().out)["error"]
+    assert fake.configs == []
+
+
+def test_usage_error_without_json_prints_nothing_on_stdout(fake, capsys):
+    assert evaluator.main([*FILES, "--trials", "0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "--trials" in captured.err
+
+
+def test_real_cpu_evaluation_through_the_cli(capsys):
+    """The bundled ReLU task and solution, evaluated for real: exit 0 and the result as JSON."""
+    code = evaluator.main([*FILES, "--device", "cpu", "--trials", "1", "--cpu_perf_trials", "1",
+                           "--second_distribution", "false", "--timeout", "120", "--json"])
+    assert code == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["verdict"] in VERDICTS and result["device"] == "cpu"
+    assert result["wall_s"] is not None and math.isfinite(result["wall_s"])

@@ -1,0 +1,217 @@
+"""The reward's evidence (docs/security.md): what the runner reports is bound to the request, frozen
+at the reply, checked against the candidate's source and the judge's own observations. One test
+per family; the hostile candidates are in tests/fixtures/hacks and tests/fixtures/attacks (the
+corpus tests run every one of them), these tests check the mechanisms and what the fixtures leave.
+"""
+
+import json
+import os
+import signal
+import socket
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from drkernel import integrity, ipc, judge, procfs
+from drkernel.channel import Channel, Hacked
+from drkernel.evaluator import ConfinementError, EvalConfig, Evaluator
+from drkernel.sandbox import SandboxResult
+from tests.test_evaluator import TASKS, cfg
+
+ATTACKS = Path(__file__).resolve().parent / "fixtures" / "attacks"
+
+
+def _channel(sock: int, pid: int) -> Channel:
+    return Channel(sock=sock, pid=pid, dir="", deadline=time.monotonic() + 30)
+
+
+def _reference() -> judge.Reference:
+    return judge.Reference(cfg=EvalConfig(device="cpu"), reference_path="", twin=Channel(sock=-1, pid=0, dir=""))
+
+
+def _fake_runner(reply_for, after_reply=None) -> tuple[int, socket.socket, int]:
+    """A forked process in its own group that answers one request with `reply_for(msg)`, then runs
+    `after_reply` (what a hostile runner does once it has answered)."""
+    mine, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.setsid()
+        mine.close()
+        msg = ipc.recv(theirs.fileno())
+        ipc.send(theirs.fileno(), reply_for(msg))
+        if after_reply is not None:
+            after_reply()
+        time.sleep(30)
+        os._exit(0)
+    theirs.close()
+    time.sleep(0.1)  # its setsid has happened
+    return pid, mine, mine.fileno()
+
+
+def _reap(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+
+
+# ---- replies bound to requests ---------------------------------------------------------------
+
+def test_a_reply_without_the_request_nonce_is_a_forged_reply():
+    pid, sock, fd = _fake_runner(lambda msg: {"ok": True, "nonce": "guessed"})
+    try:
+        with pytest.raises(Hacked) as caught:
+            _channel(fd, pid).ask({"op": "final"})
+        assert caught.value.code == "forged_reply"
+    finally:
+        _reap(pid)
+
+
+def test_data_after_the_reply_is_a_forged_reply():
+    def two_answers(msg):
+        return {"ok": True, "nonce": msg["nonce"], "pad": "x"}
+    mine, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child answers and, in the same write, adds an unasked reply
+        os.setsid()
+        msg = ipc.recv(theirs.fileno())
+        body = json.dumps(two_answers(msg)).encode()
+        os.write(theirs.fileno(), (struct.pack(">Q", len(body)) + body) * 2)
+        time.sleep(30)
+        os._exit(0)
+    theirs.close()
+    time.sleep(0.1)
+    try:
+        with pytest.raises(Hacked) as caught:
+            _channel(mine.fileno(), pid).ask({"op": "final"})
+        assert caught.value.code == "forged_reply" and "nobody asked" in caught.value.detail
+    finally:
+        _reap(pid)
+
+
+def test_an_honest_reply_passes_and_the_runner_is_stopped_until_the_next_request():
+    pid, sock, fd = _fake_runner(lambda msg: {"ok": True, "nonce": msg["nonce"]})
+    try:
+        reply = _channel(fd, pid).ask({"op": "final"})
+        assert reply["ok"]
+        assert procfs.stat(pid).state in ("T", "t")
+    finally:
+        _reap(pid)
+
+
+# ---- what a call committed is frozen at the reply --------------------------------------------
+
+def test_nothing_the_runner_does_after_its_reply_reaches_shared_memory(tmp_path):
+    """The fake runner answers, then keeps writing a counter into a shared page: from the reply
+    until the judge's next request, the page must not change."""
+    import mmap
+    page = mmap.mmap(-1, 8)
+
+    def keep_writing():
+        n = 0
+        while True:
+            n += 1
+            page[:8] = n.to_bytes(8, "little")
+
+    pid, sock, fd = _fake_runner(lambda msg: {"ok": True, "nonce": msg["nonce"]}, keep_writing)
+    try:
+        _channel(fd, pid).ask({"op": "final"})
+        seen = bytes(page[:8])
+        time.sleep(0.3)
+        assert bytes(page[:8]) == seen
+    finally:
+        _reap(pid)
+
+
+# ---- forged launch record: the evidence digest ----------------------------------------------
+
+def test_a_patched_launch_recorder_is_caught_by_the_evidence_digest(monkeypatch):
+    """The fixture reaches the launch hook's closure, patches the recorder's class to report a
+    launch of its never-launched kernel and silences the runner's integrity report. With the static
+    scan out of the way (an attacker may find a route it does not know), only the nonce-keyed digest
+    of the runner's evidence machinery is left to catch it."""
+    monkeypatch.setattr(integrity, "static_scan", lambda source, reference_path=None: [])
+    code = (ATTACKS / "forge_launch_record.py").read_text()
+    with Evaluator(cfg()) as ev:
+        r = ev.evaluate(str(TASKS / "1_ReLU.py"), code)
+    assert r.verdict == "hacked" and "patched_function" in r.hacks, (r.verdict, r.hacks, r.error)
+    assert "replaced after the candidate was imported" in r.error
+
+
+# ---- neighbours: a busy GPU is waited for before a measurement --------------------------------
+
+class _FakeLock:
+    mode = None
+    waited = {"shared": 0.0, "alone": 0.0}
+
+    def alone(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def test_measurements_wait_until_the_gpu_is_idle(monkeypatch):
+    probes = iter([5.0, 4.0, 3.0] + [0.01] * 10)  # a neighbour's kernel finishes after three probes
+    r = _reference()
+    r.gpu = _FakeLock()
+    monkeypatch.setattr(judge, "_probe_ms", lambda r: next(probes))
+    with judge._alone(r):
+        pass
+    assert next(probes) == 0.01 and r.details["idle_wait_s"] > 0 and "gpu_busy" not in r.details
+
+
+def test_a_gpu_that_stays_busy_is_reported_and_the_job_rerun_alone(monkeypatch):
+    from drkernel.evaluator import EvalResult, _Run, rerun_alone
+    r = _reference()
+    r.cfg.idle_wait_s = 0.05
+    r.gpu = _FakeLock()
+    monkeypatch.setattr(judge, "_probe_ms", lambda r: 9.0)
+    with judge._alone(r):
+        pass
+    assert "still busy" in r.details["gpu_busy"]
+    result = EvalResult(verdict="correct", details=dict(r.details))
+    assert "busy" in rerun_alone([_Run(result, 0.0, 1.0)])[0]
+
+
+# ---- the lock and memory files and other jobs' files are out of reach --------------------------
+
+def test_a_runner_can_neither_take_a_gpu_lock_nor_list_other_jobs(monkeypatch):
+    from drkernel.gpushare import DeviceLock
+    lock_dir = Path("/tmp") / f"drk-test-locks-{os.getpid()}"
+    monkeypatch.setenv("DRKERNEL_LOCK_DIR", str(lock_dir))
+    DeviceLock(0).close()  # the lock files exist
+    try:
+        with Evaluator(cfg()) as ev:
+            r = ev.evaluate(str(TASKS / "1_ReLU.py"), (ATTACKS / "lock_squat.py").read_text())
+        assert r.verdict == "correct", (r.verdict, r.error)
+        assert "squat: denied" in r.stdout and "jobs: denied" in r.stdout, r.stdout
+    finally:
+        for f in lock_dir.glob("*"):
+            f.unlink() if f.is_file() else None
+        for d in lock_dir.glob("*"):
+            d.rmdir()
+        lock_dir.rmdir()
+
+
+# ---- threads and confinement ----------------------------------------------------------------
+
+def test_python_threads_include_those_started_with_the_low_level_api():
+    import _thread
+    before = integrity.python_threads()
+    started = []
+    _thread.start_new_thread(lambda: (started.append(1), time.sleep(1.0)), ())
+    time.sleep(0.1)
+    assert started and len(integrity.python_threads() - before) == 1
+
+
+def test_the_evaluator_refuses_to_start_unconfined_unless_told(monkeypatch):
+    from drkernel import sandbox
+    real = sandbox.SandboxPool.run
+
+    def no_landlock(self, target, kwargs=None, **kw):
+        if target == "drkernel.confine:probe":
+            return SandboxResult("ok", value={"complete": False, "errors": ["Landlock unavailable"]})
+        return real(self, target, kwargs, **kw)
+    monkeypatch.setattr(sandbox.SandboxPool, "run", no_landlock)
+    with pytest.raises(ConfinementError, match="Landlock unavailable.*require_confinement"):
+        Evaluator(cfg())
+    Evaluator(cfg(require_confinement=False)).close()

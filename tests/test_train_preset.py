@@ -1,0 +1,182 @@
+"""What `train.py` runs, as a user meets it: the stage's preset as the base that options change one
+setting at a time, `--config FILE|none`, the start line, --help, the resume check and the value and
+config-file errors. The stages are replaced by fakes that record the resolved config: no model loads."""
+
+import dataclasses
+import importlib.util
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+from drkernel import sft, trainer
+from drkernel.config import parse_config, record_settings
+from drkernel.sft import SFTConfig
+from drkernel.trainer import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLING = ("model", "tasks", "levels", "tasks_per_step", "num_generations", "num_turns", "max_new_tokens",
+            "temperature", "eval_trials", "eval_timeout")
+
+
+def load_train():
+    spec = importlib.util.spec_from_file_location("train_entry", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def train():
+    return load_train()
+
+
+class FakeTrainer:
+    """Stands in for `drkernel.trainer.Trainer`: records the config it is given, trains nothing."""
+
+    built: list = []
+    acc = types.SimpleNamespace(is_main_process=True)
+
+    def __init__(self, cfg):
+        self.built.append(cfg)
+
+    def train(self):
+        return []
+
+
+@pytest.fixture
+def built(monkeypatch):
+    """The configs the RL and SFT stages were started with, in order."""
+    seen = []
+    monkeypatch.setattr(FakeTrainer, "built", seen)
+    monkeypatch.setattr(trainer, "Trainer", FakeTrainer)
+    monkeypatch.setattr(sft, "train", lambda cfg: seen.append(cfg) or {"steps": 0, "last": {}, "final": ""})
+    return seen
+
+
+def run(train, argv, capsys):
+    """(exit status, stderr lines) of `train.py argv`."""
+    status = train.main(argv)
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+def test_an_option_changes_one_setting_of_the_bare_run(train, built, capsys):
+    assert run(train, [], capsys)[0] == 0
+    assert run(train, ["--max_steps", "1"], capsys)[0] == 0
+    bare, one_step = built
+    preset = parse_config(TrainConfig, ["--config", str(train.STAGES["rl"].preset)])
+    assert bare == preset and bare.model == "smollm2-warmstart"
+    assert one_step == dataclasses.replace(bare, max_steps=1)
+    assert [getattr(one_step, k) for k in SAMPLING] == [getattr(bare, k) for k in SAMPLING]
+    # the SFT stage follows the same rule with its own preset
+    assert run(train, ["--stage", "sft"], capsys)[0] == 0
+    assert run(train, ["--stage", "sft", "--max_steps", "1"], capsys)[0] == 0
+    sft_bare, sft_one_step = built[2:]
+    assert sft_bare == parse_config(SFTConfig, ["--config", str(train.STAGES["sft"].preset)])
+    assert sft_bare.lora_r > 0 and sft_one_step == dataclasses.replace(sft_bare, max_steps=1)
+
+
+def test_config_none_gives_the_library_defaults_and_a_file_replaces_the_preset(train, built, capsys, tmp_path):
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("num_turns: 4\n")
+    for argv in (["--config", "none"], ["--config=NONE", "--max_steps", "3"], ["--config", str(mine)]):
+        assert run(train, argv, capsys)[0] == 0
+    assert built[0] == TrainConfig()
+    assert built[1] == TrainConfig(max_steps=3)
+    assert built[2] == TrainConfig(num_turns=4)  # the library defaults, then the file: no preset
+    assert run(train, ["--stage", "sft", "--config", "none"], capsys)[0] == 0
+    assert built[3] == SFTConfig()
+
+
+def test_the_start_line_names_the_base(train, built, capsys, tmp_path):
+    status, err = run(train, ["--max_steps", "1"], capsys)
+    assert status == 0 and len(err) == 1
+    assert err[0].startswith("train.py: settings: ") and "cpu_quick.yaml" in err[0] and "preset" in err[0]
+    assert "max_steps=1" in err[0]
+    status, err = run(train, ["--config", "none"], capsys)
+    assert len(err) == 1 and "the library defaults (--config none)" in err[0] and "cpu_quick" not in err[0]
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("num_turns: 4\n")
+    status, err = run(train, ["--config", str(mine)], capsys)
+    assert len(err) == 1 and str(mine) in err[0] and "cpu_quick" not in err[0]
+    status, err = run(train, ["--stage", "sft"], capsys)
+    assert len(err) == 1 and "sft_quick.yaml" in err[0]
+
+
+@pytest.mark.parametrize("stage,preset,config_class", [([], "configs/cpu_quick.yaml", "TrainConfig"),
+                                                       (["--stage", "sft"], "configs/sft_quick.yaml", "SFTConfig")])
+def test_help_lists_the_stages_and_the_preset(train, capsys, monkeypatch, stage, preset, config_class):
+    monkeypatch.chdir(ROOT)
+    assert train.main(stage + ["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--stage rl|sft" in out and "--stage sft" in out and "--config none" in out
+    assert f"This stage ({stage[-1] if stage else 'rl'}) without --config: {preset} sets" in out
+    assert f"{config_class} options" in out and "--max_steps" in out
+
+
+def make_checkpoint(output_dir: Path, cfg, step: int = 2) -> Path:
+    """A checkpoint directory as `drkernel.runtime.save_checkpoint` leaves it, as far as resuming reads it."""
+    path = output_dir / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"step": step, **record_settings(cfg)}))
+    return path
+
+
+def test_resume_refuses_changed_settings_and_warns_on_safe_ones(train, built, capsys, tmp_path):
+    out = str(tmp_path / "run")
+    made = parse_config(TrainConfig, ["--config", str(train.STAGES["rl"].preset), "--output_dir", out])
+    make_checkpoint(Path(out), made)
+
+    status, err = run(train, ["--output_dir", out, "--resume_from", "auto", "--num_turns", "3", "--temperature", "1"],
+                      capsys)
+    assert status == 2 and built == [] and len(err) == 2  # the start line, then the refusal
+    assert err[1].startswith("train.py: error: --resume_from auto:")
+    assert "num_turns 2 -> 3" in err[1] and "temperature 0.5 -> 1.0" in err[1] and "max_steps" in err[1]
+    # a different base is a different configuration too
+    status, err = run(train, ["--config", "none", "--output_dir", out, "--resume_from", "auto"], capsys)
+    assert status == 2 and "model 'smollm2-warmstart' -> 'smollm2'" in err[-1]
+
+    status, err = run(train, ["--output_dir", out, "--resume_from", "auto", "--max_steps", "4"], capsys)
+    assert status == 0 and built[-1].max_steps == 4
+    warnings = [line for line in err if line.startswith("train.py: warning:")]
+    assert len(warnings) == 2 and any("max_steps 2 -> 4" in w for w in warnings)
+    assert any("resume_from None -> 'auto'" in w for w in warnings)
+
+
+def test_resume_of_a_checkpoint_without_recorded_settings_warns(train, built, capsys, tmp_path):
+    path = tmp_path / "run" / "checkpoint-1"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps({"step": 1}))
+    status, err = run(train, ["--output_dir", str(tmp_path / "run"), "--resume_from", "auto"], capsys)
+    assert status == 0 and len(built) == 1 and "not checked" in err[-1]
+
+
+@pytest.mark.parametrize("argv,name", [(["--temperature", "-1"], "temperature"),
+                                       (["--top_p", "1.5"], "top_p"),
+                                       (["--eval_timeout", "inf"], "eval_timeout"),
+                                       (["--eval_trials", "0"], "eval_trials"),
+                                       (["--learning_rate", "nan"], "learning_rate"),
+                                       (["--stage", "sft", "--per_device_train_batch_size", "0"],
+                                        "per_device_train_batch_size")])
+def test_a_bad_value_exits_2_with_a_one_line_message(train, built, capsys, argv, name):
+    status, err = run(train, argv, capsys)
+    assert status == 2 and built == [] and len(err) == 1
+    assert err[0].startswith(f"train.py: error: {name} must be ")
+
+
+@pytest.mark.parametrize("stage", [[], ["--stage", "sft"]])
+@pytest.mark.parametrize("content,says", [("model: [unclosed\n", "not valid YAML"),
+                                          ("- a list\n- of items\n", "must be a mapping"),
+                                          (None, "no such file"),
+                                          (b"\xff\xfe\x00binary", "cannot read it"),
+                                          ("num_turnz: 3\n", "unknown key(s) num_turnz")])
+def test_a_broken_config_file_exits_2_with_a_one_line_message(train, built, capsys, tmp_path, stage, content, says):
+    path = tmp_path / "broken.yaml"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    status, err = run(train, stage + ["--config", str(path)], capsys)
+    assert status == 2 and built == [] and len(err) == 1
+    assert err[0].startswith(f"train.py: error: --config {path}: ") and says in err[0]
