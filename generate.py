@@ -43,6 +43,7 @@ refused, naming the keys. A later STTS round is rebuilt from the rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -256,11 +257,11 @@ def make_evaluate_fn(evaluator, reference_dir: str | os.PathLike) -> Callable[[l
 
     References are written once per task under `reference_dir` (the evaluator imports
     files); candidates are passed as source text."""
+    return functools.partial(_evaluate_pairs, evaluator, reference_dir)
 
-    def evaluate_fn(pairs: list) -> list[EvalResult]:
-        return list(evaluator.evaluate_many([(str(task.write(reference_dir)), code) for task, code in pairs]))
 
-    return evaluate_fn
+def _evaluate_pairs(evaluator, reference_dir: str | os.PathLike, pairs: list) -> list[EvalResult]:
+    return list(evaluator.evaluate_many([(str(task.write(reference_dir)), code) for task, code in pairs]))
 
 
 # --------------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class Channel:
 
     def gone(self, exc: BaseException) -> Stop:
         """The runner died or stopped answering: a crash (how, from /proc while it is a zombie) or a timeout."""
-        if isinstance(exc, ipc.ChannelClosed) and "in time" in str(exc):
+        if isinstance(exc, ipc.Timeout):
             return Stop("timeout", "the candidate did not answer before the time limit")
         how, st = "exited", procfs.stat(self.pid)
         if st is not None and os.WIFSIGNALED(st.exit_code):
@@ -158,20 +158,27 @@ def _signal_group(pid: int, sig: int) -> bool:
     return True
 
 
-def short(text: str, n: int) -> str:
+def short(text: str | None, n: int) -> str:
+    """`text` cut to about `n` characters, its head and tail kept."""
+    text = text or ""
     return text if len(text) <= n else text[: n // 2] + "\n...[truncated]...\n" + text[-n // 2:]
+
+
+def cuda_fault(text: str) -> bool:
+    """Whether an error message is a CUDA fault (the device context is then lost)."""
+    return any(k in text for k in _CUDA_FAULTS)
 
 
 def runner_error(reply: dict, what: str) -> Stop:
     """The runner reported that the candidate raised."""
     err = str(reply.get("error", ""))[:1500]
-    if any(k in err for k in _CUDA_FAULTS):
+    if cuda_fault(err):
         return Stop("runtime_error", "CUDA error: " + err[:600])
     return Stop("runtime_error", f"{what}: {err}")
 
 
 def exception_text(prefix: str, exc: BaseException) -> str:
     msg = f"{type(exc).__name__}: {exc}"
-    if any(k in msg for k in _CUDA_FAULTS):
+    if cuda_fault(msg):
         return "CUDA error: " + short(msg, 400)
     return short(f"{prefix}: {msg}", 600)

@@ -14,7 +14,7 @@ The evaluator's side (the parent) never initialises CUDA: the fingerprint comes 
 `nvidia-smi` (asked once per process), `torch.version.cuda` and package metadata.
 
     env = fingerprint(cfg.device)
-    results = evaluate_cached(pairs, cfg, evaluate_uncached, EvalCache(dir), reward_config)
+    results = evaluate_cached(pairs, cfg, evaluate_uncached, EvalCache(dir))
 """
 
 from __future__ import annotations
@@ -275,27 +275,18 @@ def dedupe(pairs: Sequence[Pair]) -> tuple[list[Pair], list[int]]:
     return unique, index_map
 
 
-def _rescore(result: EvalResult, reward_config) -> EvalResult:
-    """Fill `reward` / `reward_terms` as the evaluator does for a fresh result."""
-    from drkernel import rewards
-
-    terms = rewards.compute_reward(result, reward_config or rewards.RewardConfig())
-    result.reward, result.reward_terms = float(terms.reward), terms.to_dict()
-    return result
-
-
 def evaluate_cached(pairs: Sequence[tuple[str, str]], cfg: EvalConfig,
                     evaluate_uncached: Callable[[list[tuple[str, str]]], list[EvalResult]],
-                    cache: EvalCache | None = None, reward_config=None) -> list[EvalResult]:
+                    cache: EvalCache | None = None) -> list[EvalResult]:
     """Results for (reference code, candidate code) `pairs`, in order: identical pairs are
-    evaluated once, cached results are reused (and re-scored with `reward_config`, a
-    `rewards.RewardConfig`), the rest go to `evaluate_uncached` in one call and are stored.
+    evaluated once, cached results are reused (stored without a reward: the caller scores every
+    result), the rest go to `evaluate_uncached` in one call and are stored.
     With `cache=None` this only dedupes and stamps. Duplicates get independent copies."""
     env = fingerprint(cfg.device)
     unique, index_map = dedupe(list(pairs))
     keys = [cache_key(ref, cand, cfg, env) for ref, cand in unique]
     found = [cache.get(k) if cache is not None else None for k in keys]
-    results = [_rescore(r, reward_config) if r is not None else None for r in found]
+    results = list(found)
     todo = [i for i, r in enumerate(results) if r is None]
     fresh = evaluate_uncached([unique[i] for i in todo]) if todo else []
     if len(fresh) != len(todo):

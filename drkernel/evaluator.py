@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from drkernel.evaltypes import HACK_CODES, VERDICTS, EvalConfig, EvalResult  # noqa: F401 (re-exported)
+from drkernel import confine, evalcache, judge, rewards, runner
+from drkernel.channel import cuda_fault, short
 from drkernel.confine import hidden_dirs
 from drkernel.gpushare import MemoryLedger
 from drkernel.sandbox import SandboxLimits, SandboxPool
 
-# The job: the judge's phases in one process, the candidate in a confined runner beside it.
-_JUDGE = "drkernel.judge:evaluate"
-_RUNNER = {"target": "drkernel.runner:main"}
 
 
 def device_problem(device: str) -> str | None:
@@ -68,11 +67,6 @@ def resolve_device(device: str) -> str:
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     return device
-
-
-def _short(text: str | None, n: int = 2000) -> str:
-    text = text or ""
-    return text if len(text) <= n else text[: n // 2] + "\n...[truncated]...\n" + text[-n // 2:]
 
 
 # ======================================================================================
@@ -129,15 +123,15 @@ def _map_status(res: Any) -> EvalResult:
     """The verdict of a sandbox job that ended without an answer."""
     status = getattr(res, "status", None)
     r = EvalResult()
-    r.stdout = _short(getattr(res, "stdout", "") or "", 2000)
-    r.stderr = _short(getattr(res, "stderr", "") or "", 2000)
+    r.stdout = short(getattr(res, "stdout", ""), 2000)
+    r.stderr = short(getattr(res, "stderr", ""), 2000)
     if status == "timeout":
         r.verdict, r.error = "timeout", "evaluation exceeded the time limit"
     elif status == "exception":
         r.verdict = "runtime_error"
         err = getattr(res, "error", "") or ""
-        r.error = _short(("CUDA error: " + err) if "CUDA error" in err or "illegal memory" in err else err, 600)
-        r.details["traceback"] = _short(getattr(res, "traceback", "") or "", 2000)
+        r.error = short(("CUDA error: " + err) if cuda_fault(err) else err, 600)
+        r.details["traceback"] = short(getattr(res, "traceback", ""), 2000)
     elif status == "signal":
         sig = getattr(res, "signal", None)
         try:
@@ -224,7 +218,8 @@ class _Prepared:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _finish(r: EvalResult, cfg: EvalConfig, reward_config=None) -> EvalResult:
+def _finish(r: EvalResult, cfg: EvalConfig) -> EvalResult:
+    """A fresh result made consistent: no speedup without `correct`, a hacked one names a code."""
     if r.verdict != "correct":
         r.correct = False
         r.speedup = None
@@ -233,13 +228,6 @@ def _finish(r: EvalResult, cfg: EvalConfig, reward_config=None) -> EvalResult:
     if r.device is None:
         r.device = cfg.device
     r.wall_s = r.wall_s or 0.0  # the job's own seconds (the judge's); 0 when decided before any job
-    try:
-        from drkernel import rewards
-        terms = rewards.compute_reward(r, reward_config or rewards.RewardConfig())
-        r.reward = float(terms.reward)
-        r.reward_terms = terms.to_dict()
-    except Exception:
-        pass
     return r
 
 
@@ -420,8 +408,7 @@ class Evaluator:
             self._check_confinement()
         self.cache = None
         if self.cfg.cache_dir:
-            from drkernel.evalcache import EvalCache
-            self.cache = EvalCache(self.cfg.cache_dir)
+            self.cache = evalcache.EvalCache(self.cfg.cache_dir)
 
     @property
     def workers(self) -> int:
@@ -429,7 +416,7 @@ class Evaluator:
 
     def _check_confinement(self) -> None:
         """Refuse at once, with a way out, where this kernel cannot confine a runner."""
-        res = self.pool.run("drkernel.confine:probe", {}, env={"CUDA_VISIBLE_DEVICES": ""})
+        res = self.pool.run(confine.probe, {}, env={"CUDA_VISIBLE_DEVICES": ""})
         report = res.value if res.ok and isinstance(res.value, dict) else {}
         if not report.get("complete"):
             self.close()
@@ -444,9 +431,12 @@ class Evaluator:
 
     def evaluate_many(self, pairs) -> list[EvalResult]:
         """Results in the order of `pairs` ((reference, candidate): paths or source)."""
-        from drkernel import evalcache
         texts = [(_text(r), _text(c)) for r, c in pairs]
-        return evalcache.evaluate_cached(texts, self.cfg, self._run, self.cache, self.reward_config)
+        results = evalcache.evaluate_cached(texts, self.cfg, self._run, self.cache)
+        for r in results:  # the reward, scored here once, with this caller's weights, fresh or cached
+            r.reward = None
+            rewards.score(r, self.reward_config)
+        return results
 
     def _run(self, pairs: list[tuple[str, str]]) -> list[EvalResult]:
         preps = [_Prepared(r, c, self.cfg) for r, c in pairs]
@@ -461,7 +451,7 @@ class Evaluator:
                     i = todo[k]
                     out[i] = self._evaluate_group([preps[i]], exclusive=True)[0].result
                     out[i].details["retried_alone"] = why
-            return [_finish(r, self.cfg, self.reward_config) for r in out]
+            return [_finish(r, self.cfg) for r in out]
         finally:
             for p in preps:
                 p.close()
@@ -471,28 +461,28 @@ class Evaluator:
         back of the queue with its need known (`_Queue`). Results in the candidates' order."""
         from concurrent.futures import ThreadPoolExecutor
         queue, runs = _Queue(jobs), [_Run(EvalResult())] * n_results
-
-        def work() -> None:
-            while (job := queue.take()) is not None:
-                done = self._evaluate_group(job.preps, defer=job.need is None)
-                deferred = next((r.result.details["deferred"] for r in done if r.result.details.get("deferred")), None)
-                if deferred:
-                    job.need, job.capacity = int(deferred["memory_bytes"]), int(deferred["capacity_bytes"])
-                    job.gpu = str(deferred["gpu"])
-                    queue.put_back(job)
-                    continue
-                for k, run in zip(job.index, done):
-                    runs[k] = run
-
         n = max(1, min(self.workers, len(jobs)))
         with ThreadPoolExecutor(max_workers=n) as ex:
-            for f in [ex.submit(work) for _ in range(n)]:
+            for f in [ex.submit(self._drain, queue, runs) for _ in range(n)]:
                 f.result()
         return runs
 
+    def _drain(self, queue: _Queue, runs: list[_Run]) -> None:
+        """One worker's loop: groups from the queue until it is empty."""
+        while (job := queue.take()) is not None:
+            done = self._evaluate_group(job.preps, defer=job.need is None)
+            deferred = next((r.result.details["deferred"] for r in done if r.result.details.get("deferred")), None)
+            if deferred:
+                job.need, job.capacity = int(deferred["memory_bytes"]), int(deferred["capacity_bytes"])
+                job.gpu = str(deferred["gpu"])
+                queue.put_back(job)
+                continue
+            for k, run in zip(job.index, done):
+                runs[k] = run
+
     def _preflight(self, prep: "_Prepared") -> EvalResult | None:
         """The GPU-less pre-flight import; its verdict when it already decides."""
-        pre = self.pool.run("drkernel.runner:preflight", {"candidate_path": prep.cand_path, "hidden": hidden_dirs()},
+        pre = self.pool.run(runner.preflight, {"candidate_path": prep.cand_path, "hidden": hidden_dirs()},
                             limits=_limits(self.cfg), env={"CUDA_VISIBLE_DEVICES": ""})
         early = _preflight_verdict(pre)
         if early is not None:
@@ -510,7 +500,7 @@ class Evaluator:
             start = time.monotonic()
             kwargs = {"reference_path": todo[0].ref_path, "candidate_paths": [p.cand_path for p in todo],
                       "config": dataclasses.asdict(self.cfg), "exclusive": exclusive, "defer": defer}
-            res = self.pool.run(_JUDGE, kwargs, runners=[_RUNNER] * (1 + len(todo)),
+            res = self.pool.run(judge.evaluate, kwargs, runners=[runner.main] * (1 + len(todo)),
                                 limits=_limits(self.cfg, jobs=1 + len(todo)))
             judged = iter(_map_group(res, len(todo)))
             for k, run in enumerate(runs):

@@ -41,81 +41,87 @@ _PATCH_STRINGS = {"torch.library", "Library", "_dispatch", "impl_abstract", "reg
 
 
 def static_scan(source: str, reference_path: str | None = None) -> list[tuple[str, str]]:
-    """Return (hack code, detail) findings for a candidate's source. Never raises."""
+    """Return (hack code, detail) findings for a candidate's source, each once. Never raises."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return []
     found: list[tuple[str, str]] = []
-
-    def add(code: str, detail: str) -> None:
-        if (code, detail) not in found:
-            found.append((code, detail))
-
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-            if isinstance(node, ast.ImportFrom):
-                names += [f"{node.module}.{a.name}" for a in node.names]
-            for n in names:
-                root = n.split(".")[0]
-                if root in _REF_MODULES:
-                    add("reference_access", f"imports {n}")
-                if root in _THREAD_MODULES:
-                    add("thread_spawned", f"imports {n}")
-                if n.startswith("torch.library") or n in ("torch.overrides", "torch.utils._python_dispatch"):
-                    add("patched_function", f"imports {n}")
-                if root == "inspect" and isinstance(node, ast.ImportFrom):
-                    for a in node.names:
-                        if a.name in _REF_ATTRS:
-                            add("reference_access", f"inspect.{a.name}")
-                if root == "sys" and isinstance(node, ast.ImportFrom):
-                    for a in node.names:
-                        if a.name in ("modules", "_getframe", "settrace", "setprofile", "_current_frames"):
-                            add("reference_access" if a.name in ("modules", "_getframe", "_current_frames")
-                                else "global_state_changed", f"from sys import {a.name}")
-        elif isinstance(node, ast.Attribute):
-            d = dotted(node)
-            if node.attr in _REACH_ATTRS:
-                add("reference_access", d or node.attr)
-            if node.attr in _REF_ATTRS and node.attr not in ("stack", "trace"):
-                add("reference_access", d or node.attr)
-            if node.attr in ("stack", "trace") and d.startswith("inspect."):
-                add("reference_access", d)
-            if d in ("sys.modules", "sys._current_frames"):
-                add("reference_access", d)
-            if d in ("sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile"):
-                add("global_state_changed", d)
-            if d.startswith("torch.library") or d.startswith("torch._C._dispatch") \
-                    or d.startswith("torch.overrides") or d.startswith("torch.utils._python_dispatch"):
-                add("patched_function", d)
-            if d.startswith("builtins.") or d.startswith("__builtins__"):
-                add("patched_function", d)
-        elif isinstance(node, ast.Name):
-            if node.id in ("__builtins__", "__import__"):
-                add("reference_access" if node.id == "__import__" else "patched_function", node.id)
-            if node.id in ("globals", "vars") and isinstance(getattr(node, "ctx", None), ast.Load):
-                pass  # harmless on their own
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            s = node.value
-            for tok in _REF_ATTRS - {"stack", "trace"}:
-                if s == tok:
-                    add("reference_access", f"string {s!r}")
-            if s in ("modules", "ctypes", "gc", "importlib") or s in _REACH_ATTRS or "drkernel" in s:
-                add("reference_access", f"string {s!r}")
-            if s in _PATCH_STRINGS or s.startswith("aten::"):
-                add("patched_function", f"string {s!r}")
-            if reference_path and (os.path.basename(reference_path) in s or "ref_" in s and s.endswith(".py")):
-                add("reference_access", f"names the reference file ({s!r})")
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in (
-                "__torch_function__", "__torch_dispatch__"):
-            add("patched_function", f"defines {node.name}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
-                "exec", "eval", "compile"):
-            add("reference_access", f"calls {node.func.id}()")
-        elif _dynamic_attribute(node):
-            add("reference_access", f"{node.func.id}() with an attribute name built at run time")
+        for finding in _node_findings(node, reference_path):
+            if finding not in found:
+                found.append(finding)
     return found
+
+
+def _node_findings(node: ast.AST, reference_path: str | None) -> list[tuple[str, str]]:
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return _import_findings(node)
+    if isinstance(node, ast.Attribute):
+        return _attribute_findings(node)
+    if isinstance(node, ast.Name) and node.id in ("__builtins__", "__import__"):
+        return [("reference_access" if node.id == "__import__" else "patched_function", node.id)]
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return _string_findings(node.value, reference_path)
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in ("__torch_function__", "__torch_dispatch__"):
+        return [("patched_function", f"defines {node.name}")]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("exec", "eval", "compile"):
+        return [("reference_access", f"calls {node.func.id}()")]
+    if _dynamic_attribute(node):
+        return [("reference_access", f"{node.func.id}() with an attribute name built at run time")]
+    return []
+
+
+def _import_findings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]:
+    out = []
+    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    if isinstance(node, ast.ImportFrom):
+        names += [f"{node.module}.{a.name}" for a in node.names]
+    for n in names:
+        root = n.split(".")[0]
+        if root in _REF_MODULES:
+            out.append(("reference_access", f"imports {n}"))
+        if root in _THREAD_MODULES:
+            out.append(("thread_spawned", f"imports {n}"))
+        if n.startswith("torch.library") or n in ("torch.overrides", "torch.utils._python_dispatch"):
+            out.append(("patched_function", f"imports {n}"))
+    if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "inspect":
+        out += [("reference_access", f"inspect.{a.name}") for a in node.names if a.name in _REF_ATTRS]
+    if isinstance(node, ast.ImportFrom) and node.module == "sys":
+        for a in node.names:
+            if a.name in ("modules", "_getframe", "_current_frames"):
+                out.append(("reference_access", f"from sys import {a.name}"))
+            elif a.name in ("settrace", "setprofile"):
+                out.append(("global_state_changed", f"from sys import {a.name}"))
+    return out
+
+
+def _attribute_findings(node: ast.Attribute) -> list[tuple[str, str]]:
+    d = dotted(node) or node.attr
+    out = []
+    if node.attr in _REACH_ATTRS or (node.attr in _REF_ATTRS and node.attr not in ("stack", "trace")):
+        out.append(("reference_access", d))
+    if (node.attr in ("stack", "trace") and d.startswith("inspect.")) or d in ("sys.modules", "sys._current_frames"):
+        out.append(("reference_access", d))
+    if d in ("sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile"):
+        out.append(("global_state_changed", d))
+    if d.startswith(("torch.library", "torch._C._dispatch", "torch.overrides", "torch.utils._python_dispatch",
+                     "builtins.", "__builtins__")):
+        out.append(("patched_function", d))
+    return out
+
+
+def _string_findings(s: str, reference_path: str | None) -> list[tuple[str, str]]:
+    """String constants that name what `getattr` or an import would reach."""
+    out = []
+    if (s in _REF_ATTRS - {"stack", "trace"} or s in ("modules", "ctypes", "gc", "importlib")
+            or s in _REACH_ATTRS or "drkernel" in s):
+        out.append(("reference_access", f"string {s!r}"))
+    if s in _PATCH_STRINGS or s.startswith("aten::"):
+        out.append(("patched_function", f"string {s!r}"))
+    if reference_path and (os.path.basename(reference_path) in s or "ref_" in s and s.endswith(".py")):
+        out.append(("reference_access", f"names the reference file ({s!r})"))
+    return out
 
 
 def _dynamic_attribute(node: ast.AST) -> bool:
@@ -277,46 +283,50 @@ def _global_hook_counts() -> dict[str, int]:
     return out
 
 
+def _dispatch_modes() -> int:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return len(_get_current_dispatch_mode_stack())
+
+
+def _flag_readers() -> dict[str, Any]:
+    """Name -> a function that reads one flag that changes numerics or what the evaluator observes."""
+    import torch
+    readers = {
+        "cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
+        "cuda.matmul.fp16_reduced": lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        "cuda.matmul.bf16_reduced": lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
+        "cudnn.enabled": lambda: torch.backends.cudnn.enabled,
+        "cudnn.benchmark": lambda: torch.backends.cudnn.benchmark,
+        "cudnn.deterministic": lambda: torch.backends.cudnn.deterministic,
+        "float32_matmul_precision": torch.get_float32_matmul_precision,
+        "default_dtype": lambda: str(torch.get_default_dtype()),
+        "default_device": lambda: str(torch.get_default_device()),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled,
+        "grad_enabled": torch.is_grad_enabled,
+        "inference_mode": torch.is_inference_mode_enabled,
+        "num_threads": torch.get_num_threads,
+        "torch_function_mode_stack": lambda: len(torch.overrides._get_current_function_mode_stack()),
+        "dispatch_mode_stack": _dispatch_modes,
+        "sys.gettrace": lambda: repr(sys.gettrace()),
+        "sys.getprofile": lambda: repr(sys.getprofile()),
+        "threading.trace_hook": lambda: repr(getattr(threading, "_trace_hook", None)),
+        "threading.profile_hook": lambda: repr(getattr(threading, "_profile_hook", None)),
+        "anomaly": torch.is_anomaly_enabled,
+    }
+    return readers
+
+
+def _read(reader) -> Any:
+    try:
+        return reader()
+    except Exception:
+        return "<unavailable>"
+
+
 def global_state() -> dict[str, Any]:
     """Flags that change numerics or what the evaluator observes."""
-    import torch
-
-    st: dict[str, Any] = {}
-
-    def put(k, fn):
-        try:
-            st[k] = fn()
-        except Exception:
-            st[k] = "<unavailable>"
-
-    put("cuda.matmul.allow_tf32", lambda: torch.backends.cuda.matmul.allow_tf32)
-    put("cuda.matmul.fp16_reduced", lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
-    put("cuda.matmul.bf16_reduced", lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
-    put("cudnn.allow_tf32", lambda: torch.backends.cudnn.allow_tf32)
-    put("cudnn.enabled", lambda: torch.backends.cudnn.enabled)
-    put("cudnn.benchmark", lambda: torch.backends.cudnn.benchmark)
-    put("cudnn.deterministic", lambda: torch.backends.cudnn.deterministic)
-    put("float32_matmul_precision", torch.get_float32_matmul_precision)
-    put("default_dtype", lambda: str(torch.get_default_dtype()))
-    if hasattr(torch, "get_default_device"):
-        put("default_device", lambda: str(torch.get_default_device()))
-    put("deterministic_algorithms", torch.are_deterministic_algorithms_enabled)
-    put("grad_enabled", torch.is_grad_enabled)
-    put("inference_mode", torch.is_inference_mode_enabled)
-    put("num_threads", torch.get_num_threads)
-    put("torch_function_mode_stack", lambda: len(torch.overrides._get_current_function_mode_stack()))
-
-    def _dispatch_modes():
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-        return len(_get_current_dispatch_mode_stack())
-
-    put("dispatch_mode_stack", _dispatch_modes)
-    put("sys.gettrace", lambda: repr(sys.gettrace()))
-    put("sys.getprofile", lambda: repr(sys.getprofile()))
-    put("threading.trace_hook", lambda: repr(getattr(threading, "_trace_hook", None)))
-    put("threading.profile_hook", lambda: repr(getattr(threading, "_profile_hook", None)))
-    put("anomaly", torch.is_anomaly_enabled)
-    return st
+    return {name: _read(reader) for name, reader in _flag_readers().items()}
 
 
 def python_threads() -> set[int]:

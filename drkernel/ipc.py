@@ -1,6 +1,7 @@
 """What crosses between the judge and the runner: framed JSON messages and one shared arena.
 
-Messages are 8-byte big-endian length + UTF-8 JSON over a socket pair. The judge reads
+Messages are 8-byte big-endian length + UTF-8 JSON over a socket pair (the sandbox speaks the
+same framing with its zygote, over pipes). The judge reads
 whatever the runner sends as untrusted data: `recv` bounds the size and the time, and callers
 validate every field (`number`).
 
@@ -37,6 +38,10 @@ class ChannelClosed(Exception):
     """The other side closed the socket, sent garbage, or did not answer in time."""
 
 
+class Timeout(ChannelClosed):
+    """No (whole) answer before the deadline."""
+
+
 def send(fd: int, msg: dict) -> None:
     body = json.dumps(msg).encode()
     data = memoryview(_HEADER.pack(len(body)) + body)
@@ -51,7 +56,7 @@ def _read(fd: int, n: int, deadline: float | None) -> bytes:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise ChannelClosed("no answer in time")
+                raise Timeout("no answer in time")
         chunk = os.read(fd, min(n - got, 1 << 20))
         if not chunk:
             raise ChannelClosed("the other side closed the channel")
@@ -60,11 +65,12 @@ def _read(fd: int, n: int, deadline: float | None) -> bytes:
     return b"".join(chunks)
 
 
-def recv(fd: int, deadline: float | None = None) -> dict:
-    """One message as a dict; `ChannelClosed` on EOF, timeout, oversize or malformed JSON."""
+def recv(fd: int, deadline: float | None = None, limit: int = MAX_MESSAGE) -> dict:
+    """One message as a dict; `ChannelClosed` on EOF, oversize (`limit` bytes) or malformed JSON,
+    `Timeout` past `deadline` (monotonic)."""
     (size,) = _HEADER.unpack(_read(fd, _HEADER.size, deadline))
-    if size > MAX_MESSAGE:
-        raise ChannelClosed(f"message of {size} bytes (limit {MAX_MESSAGE})")
+    if size > limit:
+        raise ChannelClosed(f"message of {size} bytes (limit {limit})")
     try:
         msg = json.loads(_read(fd, size, deadline))
     except ValueError as exc:

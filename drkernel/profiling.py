@@ -94,15 +94,16 @@ def summarize_kernels(rows: list[tuple[str, int, float]], candidate_names: set[s
         row["calls"] += calls
         row["us"] += us
 
-    def share(x: float) -> float | None:
-        return x / total if total > 0 else None
-
     top = sorted(per_name.values(), key=lambda r: (-r["us"], r["name"]))[: max(0, top_k)]
     kernels = [{"name": r["name"], "kind": r["kind"], "calls": r["calls"],
-                "total_ms": r["us"] / 1000.0, "share": share(r["us"])} for r in top]
-    return {"triton_time_share": share(useful), "library_share": share(per_kind["library"]),
-            "other_share": share(per_kind["other"]), "total_device_ms": total / 1000.0,
+                "total_ms": r["us"] / 1000.0, "share": _share(r["us"], total)} for r in top]
+    return {"triton_time_share": _share(useful, total), "library_share": _share(per_kind["library"], total),
+            "other_share": _share(per_kind["other"], total), "total_device_ms": total / 1000.0,
             "num_launches": launches, "kernels": kernels}
+
+
+def _share(x: float, total: float) -> float | None:
+    return x / total if total > 0 else None
 
 
 def _event_us(evt: Any) -> float:

@@ -10,9 +10,9 @@ reward = 0 (fail_reward) unless the verdict is `correct` with no hacks; otherwis
   interpreter vs eager torch) still counts: it is what the CPU run measured, consistent within
   a CPU run, but it is not comparable to GPU speedups (it is usually far below 1).
 
-One reward per result: the evaluator fills `EvalResult.reward` with the caller's config;
-`score` computes it (with the same config) only for results that come without one (format
-errors, injected environments).
+One reward per result, scored in one place (`score`): the evaluator calls it on every result it
+returns, fresh or cached, with its caller's config; the rollout calls it too, which computes only
+for results that come without one (format errors, injected environments).
 
 PRS: a correct turn is kept with probability clamp((share - threshold) / width, 0, 1), so that
 correct-but-lazy kernels (most time in torch/cuBLAS, a decoy Triton launch) are rarely trained
@@ -122,9 +122,10 @@ def compute_reward(result: Any, cfg: RewardConfig | None = None) -> RewardTerms:
                        reason="correct" + (f" ({', '.join(notes)})" if notes else ""))
 
 
-def score(result: EvalResult, cfg: RewardConfig) -> float:
-    """The result's reward: the evaluator's (computed with the caller's config), else computed
-    here with `cfg` and stored on the result, so that it is computed once."""
+def score(result: EvalResult, cfg: RewardConfig | None = None) -> float:
+    """The result's reward: the one it carries (the evaluator scores every result it returns,
+    with its caller's config), else computed here with `cfg` and stored on the result, so that
+    each result is scored once."""
     if result.reward is None:
         terms = compute_reward(result, cfg)
         result.reward, result.reward_terms = terms.reward, terms.to_dict()

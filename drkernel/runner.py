@@ -77,6 +77,8 @@ class LaunchRecorder:
         return self.installed
 
     def _wrap(self, orig):
+        """The hook installed on Triton's class: a plain function (a closure over this recorder),
+        so that `kernel.run(...)` binds the kernel as its first argument."""
         rec = self
 
         def run(kernel, *args, grid, warmup, **kwargs):
@@ -237,7 +239,7 @@ class Runner:
                 findings = self.integrity("call") if mode == "check" else []
         except BaseException as exc:  # noqa: BLE001
             self.recorder.end()
-            return {"error": _describe(exc), "cuda": "CUDA" in str(exc) or "illegal memory" in str(exc)}
+            return {"error": _describe(exc)}
         names = self.recorder.end()
         reply = {"ms": ms, "launches": len(names), "kernels": sorted(set(names)), **self._commit(out)}
         if self.device.type == "cuda":

@@ -41,7 +41,6 @@ import select
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -49,15 +48,16 @@ import threading
 import time
 import traceback as _traceback
 import weakref
-from typing import Any
+from typing import Any, Callable, Union
 
-from drkernel import procfs
+from drkernel import ipc, procfs
 
 STATUSES = ("ok", "exception", "timeout", "signal", "exit_no_result", "oom", "oversized_result",
             "sandbox_error")
 
+Target = Union[str, Callable[..., Any]]  # what a job runs: a module-level function or its "pkg.mod:fn"
+DEFAULT_PRELOAD = ("torch", "triton")  # what a zygote imports once, before it forks any job
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_HEADER = struct.Struct(">Q")
 _POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -123,43 +123,21 @@ def _as_limits(limits: SandboxLimits | dict | None) -> SandboxLimits:
 
 
 # ======================================================================================
-# Framing (used by both sides)
+# Messages with the zygote (drkernel.ipc's framing)
 # ======================================================================================
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        view = view[n:]
-
-
-def _send(fd: int, msg: dict) -> None:
-    body = json.dumps(msg).encode()
-    _write_all(fd, _HEADER.pack(len(body)) + body)
-
-
-def _read_exact(fd: int, n: int, deadline: float | None) -> bytes | None:
-    """Read n bytes; None on EOF. Raises TimeoutError past ``deadline`` (monotonic)."""
-    chunks, got = [], 0
-    while got < n:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError("no answer from the zygote")
-        chunk = os.read(fd, min(n - got, 1 << 20))
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
+_send = ipc.send
 
 
 def _recv(fd: int, deadline: float | None = None) -> dict | None:
-    head = _read_exact(fd, _HEADER.size, deadline)
-    if head is None:
+    """One message; None when the other side closed the pipe or sent garbage, TimeoutError past
+    `deadline` (monotonic). Results can be as large as `SandboxLimits.max_result_bytes`."""
+    try:
+        return ipc.recv(fd, deadline, limit=1 << 40)
+    except ipc.Timeout:
+        raise TimeoutError("no answer from the zygote") from None
+    except ipc.ChannelClosed:
         return None
-    body = _read_exact(fd, _HEADER.unpack(head)[0], deadline)
-    return None if body is None else json.loads(body)
 
 
 # ======================================================================================
@@ -283,47 +261,8 @@ def _child_main(job: dict, workdir: str, result_path: str, pipe_fds: tuple[int, 
     SystemExit is deliberately *not* a result: the job ends as ``exit_no_result``."""
     code = 0
     try:
-        for fd in pipe_fds:  # untrusted code must not reach the zygote's pipe
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        os.setsid()
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            out = os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.dup2(out, fd)
-            os.close(out)
-        lim = SandboxLimits(**job["limits"])
-        _apply_limits(lim)
-        os.environ["TMPDIR"] = workdir
-        tempfile.tempdir = workdir
-        for key, val in (job.get("env") or {}).items():
-            os.environ[str(key)] = str(val)
-            if key == "PYTHONPATH":  # sys.path was fixed at zygote start; honour it here too
-                sys.path[:0] = [p for p in str(val).split(os.pathsep) if p]
-        os.chdir(job.get("cwd") or workdir)
-        if job.get("cwd"):
-            sys.path.insert(0, job["cwd"])
-        importlib.invalidate_caches()
-        try:
-            module_name, func_name = job["target"].split(":", 1)
-            func = getattr(importlib.import_module(module_name), func_name)
-            value = func(**job["kwargs"])
-            try:
-                payload = {"value": value}
-                json.dumps(payload)
-            except (TypeError, ValueError, RecursionError) as exc:
-                payload = {"__exception__": "return value is not JSON-serialisable: " + _short_error(exc),
-                           "traceback": ""}
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-            if not isinstance(exc.code, (int, type(None))):
-                with contextlib.suppress(BaseException):
-                    print(exc.code, file=sys.stderr)
-            payload = None
-        except MemoryError as exc:
-            payload = {"__exception__": _short_error(exc), "traceback": _format_tb(exc), "oom": True}
-        except BaseException as exc:
-            payload = {"__exception__": _short_error(exc), "traceback": _format_tb(exc)}
+        lim = _enter_job(job, workdir, pipe_fds)
+        code, payload = _call_target(job)
         if payload is not None:
             try:
                 _write_result(result_path, payload, lim.max_result_bytes)
@@ -339,6 +278,54 @@ def _child_main(job: dict, workdir: str, result_path: str, pipe_fds: tuple[int, 
             with contextlib.suppress(BaseException):
                 stream.flush()
         os._exit(code & 0xFF)
+
+
+def _enter_job(job: dict, workdir: str, pipe_fds: tuple[int, int]) -> SandboxLimits:
+    """The child's own session, output files, limits, environment and working directory."""
+    for fd in pipe_fds:  # untrusted code must not reach the zygote's pipe
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    os.setsid()
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        out = os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(out, fd)
+        os.close(out)
+    lim = SandboxLimits(**job["limits"])
+    _apply_limits(lim)
+    os.environ["TMPDIR"] = workdir
+    tempfile.tempdir = workdir
+    for key, val in (job.get("env") or {}).items():
+        os.environ[str(key)] = str(val)
+        if key == "PYTHONPATH":  # sys.path was fixed at zygote start; honour it here too
+            sys.path[:0] = [p for p in str(val).split(os.pathsep) if p]
+    os.chdir(job.get("cwd") or workdir)
+    if job.get("cwd"):
+        sys.path.insert(0, job["cwd"])
+    importlib.invalidate_caches()
+    return lim
+
+
+def _call_target(job: dict) -> tuple[int, dict | None]:
+    """(exit code, the result file's payload; None: write none) of the job's function."""
+    try:
+        module_name, func_name = job["target"].split(":", 1)
+        value = getattr(importlib.import_module(module_name), func_name)(**job["kwargs"])
+        try:
+            payload = {"value": value}
+            json.dumps(payload)
+        except (TypeError, ValueError, RecursionError) as exc:
+            payload = {"__exception__": "return value is not JSON-serialisable: " + _short_error(exc), "traceback": ""}
+        return 0, payload
+    except SystemExit as exc:
+        if not isinstance(exc.code, (int, type(None))):
+            with contextlib.suppress(BaseException):
+                print(exc.code, file=sys.stderr)
+        return (exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)), None
+    except MemoryError as exc:
+        return 0, {"__exception__": _short_error(exc), "traceback": _format_tb(exc), "oom": True}
+    except BaseException as exc:
+        return 0, {"__exception__": _short_error(exc), "traceback": _format_tb(exc)}
 
 
 # ======================================================================================
@@ -454,13 +441,24 @@ def _classify(status: int, reason: str | None, result_path: str, lim: SandboxLim
     return {**out, "status": "ok", "value": payload["value"]}
 
 
+def target_name(target: Target) -> str:
+    """"pkg.module:function" of a module-level function (the child imports it by that name)."""
+    if callable(target):
+        name = f"{target.__module__}:{target.__qualname__}"
+    else:
+        name = target
+    if not isinstance(name, str) or ":" not in name or "<" in name:
+        raise ValueError(f"target must be a module-level function or 'package.module:function', got {target!r}")
+    return name
+
+
 def _fork_runners(job: dict, workdir: str, pipe_fds: tuple[int, int]) -> list[socket.socket]:
     """Fork the job's runners (each gets one end of a socket pair, the judge the other) before the
     judge's result path exists, so that not even a copy of it is in their memory. A runner keeps
     no end of another runner's socket."""
     mine: list[socket.socket] = []
     fds, pids, dirs = [], [], []
-    for k, spec in enumerate(job.get("runners") or []):
+    for k, target in enumerate(job.get("runners") or []):
         runner_dir = os.path.join(workdir, f"runner{k}")
         os.mkdir(runner_dir, 0o700)
         judge_end, theirs = socket.socketpair()
@@ -468,8 +466,7 @@ def _fork_runners(job: dict, workdir: str, pipe_fds: tuple[int, int]) -> list[so
         if pid == 0:
             for sock in (*mine, judge_end):
                 sock.close()
-            _child_main({**job, "target": spec["target"],
-                         "kwargs": {**spec.get("kwargs", {}), "sock_fd": theirs.fileno(), "job_dir": runner_dir}},
+            _child_main({**job, "target": target, "kwargs": {"sock_fd": theirs.fileno(), "job_dir": runner_dir}},
                         runner_dir, os.path.join(runner_dir, ".unused"), pipe_fds)
         theirs.close()
         mine.append(judge_end)
@@ -575,7 +572,7 @@ class ForkServer:
     on PYTHONPATH); ``PYTHONPATH`` in ``env`` (or a job's env) adds more directories.
     """
 
-    def __init__(self, env: dict | None = None, preload: tuple[str, ...] | list[str] = ("torch", "triton"),
+    def __init__(self, env: dict | None = None, preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD,
                  start_timeout_s: float = 600.0, grace_s: float = 60.0):
         self.env = {str(k): str(v) for k, v in (env or {}).items()}
         self.preload = tuple(preload)
@@ -697,26 +694,25 @@ class ForkServer:
 
     # ---- jobs --------------------------------------------------------------------------
 
-    def run(self, target: str, kwargs: dict | None = None, limits: SandboxLimits | dict | None = None,
-            env: dict | None = None, cwd: str | None = None, runners: list[dict] | None = None) -> SandboxResult:
-        """Run ``target`` ("pkg.module:function") as ``function(**kwargs)`` in a fresh child.
-        With ``runners`` (a list of {"target", "kwargs"}) one more child per entry is forked first
-        and called with ``sock_fd`` and ``job_dir`` (its own directory); the first child gets the
-        lists ``runner_fds``, ``runner_pids`` and ``runner_dirs``. All belong to the job: limits,
-        the kill at its end.
+    def run(self, target: Target, kwargs: dict | None = None, limits: SandboxLimits | dict | None = None,
+            env: dict | None = None, cwd: str | None = None, runners: list[Target] | None = None) -> SandboxResult:
+        """Run ``target`` (a module-level function, or "pkg.module:function") as
+        ``function(**kwargs)`` in a fresh child. With ``runners`` one more child per entry is forked
+        first and called with ``sock_fd`` and ``job_dir`` (its own directory); the first child gets
+        the lists ``runner_fds``, ``runner_pids`` and ``runner_dirs``. All belong to the job:
+        limits, the kill at its end.
         Never raises for anything the children do; raises only for bad arguments."""
-        if not isinstance(target, str) or ":" not in target:
-            raise ValueError(f"target must be 'package.module:function', got {target!r}")
         lim = _as_limits(limits)
-        job = {"op": "run", "target": target, "kwargs": dict(kwargs or {}), "limits": lim.to_dict(),
-               "env": {str(k): str(v) for k, v in (env or {}).items()}, "cwd": cwd, "runners": runners}
-        body = json.dumps(job).encode()  # TypeError here: kwargs must be JSON-serialisable
+        job = {"op": "run", "target": target_name(target), "kwargs": dict(kwargs or {}), "limits": lim.to_dict(),
+               "env": {str(k): str(v) for k, v in (env or {}).items()}, "cwd": cwd,
+               "runners": [target_name(r) for r in runners or []]}
+        json.dumps(job)  # TypeError here: kwargs must be JSON-serialisable
         t0 = time.monotonic()
         with self._lock:
             for attempt in (0, 1):
                 try:
                     self._ensure()
-                    return self._run_once(body, lim, t0)
+                    return self._run_once(job, lim, t0)
                 except _NotStarted as exc:  # the zygote was dead before the job began: retry once
                     self._stop(wait=False)
                     if attempt == 1:
@@ -727,10 +723,10 @@ class ForkServer:
                                          wall_s=time.monotonic() - t0)
         raise AssertionError("unreachable")
 
-    def _run_once(self, body: bytes, lim: SandboxLimits, t0: float) -> SandboxResult:
+    def _run_once(self, job: dict, lim: SandboxLimits, t0: float) -> SandboxResult:
         assert self._proc is not None and self._proc.stdin is not None and self._proc.stdout is not None
         try:
-            _write_all(self._proc.stdin.fileno(), _HEADER.pack(len(body)) + body)
+            _send(self._proc.stdin.fileno(), job)
         except OSError as exc:
             raise _NotStarted(f"zygote gone: {exc}") from exc
         rfd = self._proc.stdout.fileno()
@@ -768,7 +764,7 @@ class SandboxPool:
     CUDA_VISIBLE_DEVICES per worker)."""
 
     def __init__(self, workers: int = 1, env: dict | None = None, per_worker_env: list[dict] | None = None,
-                 preload: tuple[str, ...] | list[str] = ("torch", "triton")):
+                 preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD):
         self.workers = max(1, int(workers))
         self.servers: list[ForkServer] = []
         self._free: queue.Queue[ForkServer] = queue.Queue()
@@ -780,8 +776,8 @@ class SandboxPool:
             self.servers.append(server)
             self._free.put(server)
 
-    def run(self, target: str, kwargs: dict | None = None, limits: SandboxLimits | dict | None = None,
-            env: dict | None = None, cwd: str | None = None, runners: list[dict] | None = None) -> SandboxResult:
+    def run(self, target: Target, kwargs: dict | None = None, limits: SandboxLimits | dict | None = None,
+            env: dict | None = None, cwd: str | None = None, runners: list[Target] | None = None) -> SandboxResult:
         server = self._free.get()
         try:
             return server.run(target, kwargs, limits=limits, env=env, cwd=cwd, runners=runners)

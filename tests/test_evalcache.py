@@ -262,8 +262,22 @@ def test_evaluate_cached_dedupes_stamps_and_reuses(tmp_path):
     assert fake.calls[1] == [(REF, "sleep")]  # the timeout is tried again, the rest is cached
     assert (cache.stats.hits, cache.stats.misses) == (2, 1)
     assert second[0].details["cached"] is True and second[0].speedup == 2.0
-    assert second[0].reward == pytest.approx(0.5 + 0.5 * 2.0)  # re-scored with the default RewardConfig
+    assert second[0].reward is None  # stored without a reward: the caller scores every result
     assert [r.verdict for r in second] == [r.verdict for r in first]
+
+
+def test_the_evaluator_scores_fresh_and_cached_results_with_its_reward_config(tmp_path, monkeypatch):
+    from drkernel.evaluator import Evaluator
+    from drkernel.rewards import RewardConfig
+    fake = FakeEvaluator()
+    monkeypatch.setattr(Evaluator, "_run", lambda self, pairs: fake(pairs))
+    weights = RewardConfig(correct_weight=1.0, speedup_weight=0.25, profile_weight=0.0)
+    cfg = EvalConfig(device="cpu", cache_dir=str(tmp_path), require_confinement=False)
+    with Evaluator(cfg, reward_config=weights) as ev:
+        fresh = ev.evaluate_many([(REF, "a")])[0]
+        cached = ev.evaluate_many([(REF, "a")])[0]
+    assert cached.details["cached"] and len(fake.calls) == 1
+    assert fresh.reward == cached.reward == pytest.approx(1.0 + 0.25 * 2.0)  # not the fake's 123
 
 
 def test_evaluate_cached_without_cache_only_dedupes():
