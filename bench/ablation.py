@@ -394,6 +394,25 @@ def run(quick: bool, seed: int) -> dict:
                        f"torch {torch.__version__}"}
 
 
+def print_table(result: dict) -> None:
+    """The three claims' headline numbers, then the mismatch study's runs."""
+    n = result["N"]
+    rows = [(f"(a) GRPO / TRLOO gradient, N={n} (1 - 1/N = {1 - 1 / n:.3f})", result["grpo_over_trloo_grad_ratio"]),
+            ("(a) GRPO's gradient on the exact one", result["grpo_on_true_gradient"]),
+            ("(a) TRLOO's gradient on the exact one", result["trloo_on_true_gradient"]),
+            ("(b) lazy share of correct turns, start", result["lazy_share_start"]),
+            ("(b) lazy share, trained with profiling reward + PRS", result["lazy_share_with_pr_prs"]),
+            ("(b) lazy share, trained without", result["lazy_share_without"])]
+    for name, value in rows:
+        print(f"{name:58s} {value:8.3f}")
+    print(f"\n{'(c) mismatch run':24s} {'final J':>8s} {'cos to on-policy':>17s} {'expected update cos':>20s} "
+          f"{'reject rate':>12s}")
+    for name, m in result["mismatch"].items():
+        print(f"{name:24s} {m['final_J']:8.3f} {m['mean_cosine_to_on_policy']:17.3f} "
+              f"{m['expected_update_cosine_to_on_policy']:20.3f} {m['mean_reject_rate']:12.3f}")
+    print(f"wall {result['wall_s']} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer group sizes, steps and seeds (about a minute)")
@@ -408,10 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
-    head = {k: result[k] for k in ("N", "grpo_over_trloo_grad_ratio", "grpo_on_true_gradient", "trloo_on_true_gradient",
-                                   "lazy_share_start", "lazy_share_with_pr_prs", "lazy_share_without", "mismatch",
-                                   "wall_s")}
-    print(json.dumps(head, indent=1))
+    print_table(result)
     return 0 if math.isfinite(result["grpo_over_trloo_grad_ratio"]) else 1
 
 

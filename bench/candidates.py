@@ -293,7 +293,7 @@ def bundled_solutions() -> list[Candidate]:
             for p in sorted(BUNDLED_SOLUTIONS_DIR.glob("*.py"))]
 
 
-def _headers(path: Path) -> dict[str, str]:
+def headers(path: Path) -> dict[str, str]:
     """`# task:`, `# expect:` and `# device:` lines of a fixture (tests/test_hacks.py reads the same)."""
     found = (re.match(r"#\s*(task|expect|device)\s*:\s*(.+?)\s*$", line)
              for line in path.read_text().splitlines()[:30])
@@ -304,7 +304,7 @@ def fixtures() -> list[Candidate]:
     out = []
     for sub in FIXTURE_DIRS:
         for path in sorted((FIXTURES / sub).glob("*.py")):
-            h = _headers(path)
+            h = headers(path)
             verdict, *hacks = h["expect"].split()
             out.append(Candidate(f"{sub}/{path.stem}", "fixture", bundled_task(h["task"]), path.read_text(),
                                  verdict, tuple(hacks), h.get("device", "cpu").startswith("cuda")))

@@ -4,12 +4,13 @@ every difference from 1 worker, then the same set again through the cache.
 The sets (`bench/candidates.py`, `--set`): `full` (the default) is our solutions and their
 corrupted variants (wrong, crashing, slower, torch fallbacks) at real KernelBench sizes, `--size`
 of them; `rl` is an RL step's batch, 16 candidates for each of 8 problems (one reference per
-group of candidates); `mixed` adds the hack, legit and fault fixtures on the bundled tiny tasks. Each worker count gets a fresh Evaluator and a fresh, empty
-cache directory (so every pass pays for every evaluation, whatever the cache's default); the
-1-worker pass is the reference (`--baseline`: an earlier run's, not run again). Then a warm pass
-with the fastest worker count reads the cache the first pass run here filled: its speed-up factor
-and hit rate. Candidates per minute count
-`evaluate_many` alone; starting the workers is reported apart (`startup_s`).
+group of candidates); `mixed` adds the hack, legit and fault fixtures on the bundled tiny tasks
+(the set of the H200 runs 1-12 in docs/benchmarks.md had this composition at `--size 48`). Each
+worker count gets a fresh Evaluator and a fresh, empty cache directory (so every pass pays for
+every evaluation, whatever the cache's default); the 1-worker pass is the reference
+(`--baseline`: an earlier run's, not run again). Then a warm pass with the fastest worker count
+reads the cache the first pass run here filled: its speed-up factor and hit rate. Candidates per
+minute count `evaluate_many` alone; starting the workers is reported apart (`startup_s`).
 
 Printed: candidates per minute per worker count; every verdict or hack code that differs from
 1 worker, every speedup more than 3 % off (`!!` beyond 10 %); candidates whose verdict is not
@@ -20,8 +21,9 @@ kind of work (`details.split_s`: making inputs, candidate calls, reference runs,
 seconds spent waiting for the GPU lock (shared and alone) and for GPU memory, and how many
 results were re-run alone.
 
-    python bench/eval_throughput.py --kernelbench .bench_data/kernelbench --workers 1,2,4,6    # GPU
-    python bench/eval_throughput.py --device cpu --shrink --workers 1,2 --size 40 \\
+    python bench/eval_throughput.py --kernelbench .bench_data/kernelbench --set full --workers 1,6  # GPU
+    python bench/eval_throughput.py --kernelbench .bench_data/kernelbench --set rl --workers 6     # GPU
+    python bench/eval_throughput.py --device cpu --shrink --set mixed --workers 1,2 --size 12 \\
         --trials 2 --cpu-perf-trials 1 --warmup 1                                           # CPU smoke
 """
 

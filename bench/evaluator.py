@@ -7,6 +7,9 @@ reference against itself must land in [0.95, 1.05]).
 
     python bench/evaluator.py --kernelbench ../shared/kernelbench --repeats 3 --out out.json
     python bench/evaluator.py --workers 4 ...   # each repeat evaluates every case at once, side by side
+    python bench/evaluator.py --baseline compile ...   # speedups against the torch.compile'd reference
+    python bench/evaluator.py --device cpu --only ref_self_L2_12 --repeats 1 --trials 1 \
+        --out /tmp/evaluator.json                # CPU smoke (about a minute)
 
 With `--workers N` > 1 the cases of a repeat run together on N runners per GPU (one Evaluator
 without the Triton requirement, so solutions and references share the GPU), which is how the
@@ -41,8 +44,9 @@ def _row(label: str, results: list) -> dict:
     speedups = [r.speedup for r in results if r.speedup is not None]
     walls = [r.wall_s for r in results]
     return dict(case=label, verdict=last.verdict, verdicts=[r.verdict for r in results], hacks=last.hacks,
-                error=(last.error or "")[:200], ref_ms=last.ref_ms, candidate_ms=last.candidate_ms,
-                ref_ms_isolated=last.details.get("ref_ms_isolated"), speedups=speedups, wall_s=walls,
+                error=(last.error or "")[:200], baseline=last.baseline, ref_ms=last.ref_ms,
+                candidate_ms=last.candidate_ms, ref_ms_isolated=last.details.get("ref_ms_isolated"),
+                speedups=speedups, precise=[r.speedup_precise for r in results], wall_s=walls,
                 median_wall_s=statistics.median(walls), triton_time_share=last.triton_time_share,
                 phase_s=last.details.get("phase_s"), split_s=last.details.get("split_s"),
                 spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)

@@ -2,7 +2,8 @@
 # Every GPU measurement of this project, as stages of one device call (each under its own timeout,
 # so that one overrun leaves the others' results; JSON lands flat in $OUT). Before the call:
 #   cp -r ../shared/kernelbench .bench_data/kernelbench      # carried: carry=[".bench_data"]
-# STAGES picks, in order (default: all, about 25 minutes on one H200):
+#   python bench/rl_step.py --save-vocab                     # rl_step: .bench_data/qwen.tiktoken
+# STAGES picks, in order (default: all, about 25 minutes on one H200, plus up to 5 for rl_step):
 #   hacks       every hack, legit, fault and attack fixture through the evaluator (bench/hacks.py)
 #   neighbours  4 honest kernels alone, then beside a hostile one with 4 runners (bench/neighbours.py)
 #   ref_self    the reference against itself: every level-1-3 problem once, then 20 repeats of the
@@ -10,15 +11,19 @@
 #   solutions   bench/solutions against the eager and the torch.compile baseline (bench/evaluator.py)
 #   throughput  candidates a minute: the full-size mixed set (1 and N runners), the RL-shaped batch
 #               (8 problems x 16 candidates, N runners) (bench/eval_throughput.py)
+#   rl_step     one RL step whose responses are replayed candidates, so the trainer's own evaluator
+#               judges 64 real kernels with N runners; time per phase (bench/rl_step.py --policy replay)
 #   cli         the evaluator CLI's wall time for one level-1 evaluation, three times
 #   costs       the judge's per-call costs on real sizes (bench/judge_costs.py)
+# After the call each $OUT/<name>.json replaces bench/results/<name>_h200.json, and its headline
+# numbers go on top of that benchmark's history table in docs/benchmarks.md.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/results}
 KB=${KB:-.bench_data/kernelbench}
 N=${N:-6}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-for stage in ${STAGES:-hacks neighbours ref_self solutions throughput cli costs}; do
+for stage in ${STAGES:-hacks neighbours ref_self solutions throughput rl_step cli costs}; do
     echo "== $stage"
     case $stage in
     hacks) timeout 300 python bench/hacks.py --kernelbench "$KB" --out "$OUT/hacks.json" 2>&1 | tail -80 ;;
@@ -35,6 +40,8 @@ for stage in ${STAGES:-hacks neighbours ref_self solutions throughput cli costs}
             --json "$OUT/eval_throughput_full.json" 2>&1 | tail -60
         timeout 300 python bench/eval_throughput.py --kernelbench "$KB" --set rl --workers "$N" \
             --json "$OUT/eval_throughput_rl.json" 2>&1 | tail -40 ;;
+    rl_step) timeout 300 python bench/rl_step.py --tasks "$KB" --policy replay --steps 1 \
+        --out "$OUT/rl_step_replay.json" -- --eval_workers "$N" 2>&1 | grep -v "it/s" | tail -16 ;;
     cli)
         python -c "from drkernel.tasks import load_kernelbench as l
 open('/tmp/ref.py', 'w').write(next(t for t in l('$KB', 1) if t.problem_id == 19).code)"

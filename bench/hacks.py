@@ -6,7 +6,10 @@ attack fixtures (tests/fixtures/attacks, docs/security.md): verdict, nothing rea
 listener, nothing left behind. Also evaluates the level-2 "GEMM in torch + Triton epilogue" solution, whose Triton time
 share must stay under 0.3.
 
-    python bench/hacks.py --out results.json
+    python bench/hacks.py --kernelbench .bench_data/kernelbench --out $OUT/hacks.json      # GPU
+    python bench/hacks.py --device cpu --only legit_two,output_cached,network --out /tmp/h.json  # CPU smoke
+
+Prints one row per fixture (expected, verdict, hack codes, ok) and how many were as expected.
 """
 
 from __future__ import annotations
@@ -22,18 +25,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.candidates import headers  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
 from tests.fixtures.attacks import harness as attacks  # noqa: E402
-
-
-def headers(path: Path) -> dict[str, str]:
-    out = {}
-    for line in path.read_text().splitlines()[:12]:
-        if line.startswith("# ") and ":" in line:
-            key, _, val = line[2:].partition(":")
-            out[key.strip()] = val.strip()
-    return out
 
 
 def check(expect: str, res) -> bool:

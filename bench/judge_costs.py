@@ -10,6 +10,8 @@ around it; the table shows the median milliseconds. Also: the first and second c
 comparison kernel in a fresh process (what each judge, one process per job, pays for Triton).
 
     python bench/judge_costs.py --kernelbench .bench_data/kernelbench --problems 1:19,1:23,2:12
+    python bench/judge_costs.py --device cpu --kernelbench ../shared/kernelbench --problems 2:12 \
+        --repeats 1 --json /tmp/judge_costs.json                     # CPU smoke (Triton interpreter)
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from drkernel import compare, judge  # noqa: E402
 from drkernel.channel import Channel  # noqa: E402
-from drkernel.evaluator import EvalConfig  # noqa: E402
+from drkernel.evaluator import EvalConfig, resolve_device  # noqa: E402
 from drkernel.runner import import_file  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
 
@@ -116,7 +118,7 @@ def parse_args(argv):
 def main(argv=None) -> dict:
     import torch
     args = parse_args(argv)
-    device = torch.device(args.device)
+    device = torch.device(resolve_device(args.device))  # on cpu: Triton's interpreter, before any kernel
     torch.backends.cuda.matmul.allow_tf32 = False
     wanted = [tuple(int(x) for x in item.split(":")) for item in args.problems.split(",") if item]
     rows = {}

@@ -2,8 +2,9 @@
 
 Four of our level-1 solutions at full KernelBench size are evaluated with one worker (serial), then
 again with `--workers` runners on the same GPU together with hostile candidates (by default the
-fixture that leaves a spin kernel running after its answers). Verdicts and hack codes of the
-honest kernels must be identical, and their speedups within `--tolerance` (3 %) of serial.
+fixture that leaves a spin kernel running after its answers). The honest kernels must be
+`correct` both times with the same hack codes, and their speedups within `--tolerance` (3 %) of
+serial. Prints a table per honest kernel; writes JSON (`--out`); exits 1 unless all hold.
 
     python bench/neighbours.py --kernelbench ../shared/kernelbench --out $OUT/neighbours.json
 """
@@ -20,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
+from bench.candidates import headers  # noqa: E402
+from drkernel.evaluator import EvalConfig, EvalResult, Evaluator  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
 
 HONEST = ("level1_19_ReLU.py", "level1_23_Softmax.py", "level1_21_Sigmoid.py", "level1_36_RMSNorm_.py")
@@ -41,8 +43,7 @@ def hostile_pairs() -> list[tuple[str, str, str]]:
     out = []
     for rel in HOSTILE:
         path = ROOT / rel
-        task = next(line.split(":", 1)[1].strip() for line in path.read_text().splitlines() if line.startswith("# task:"))
-        out.append((path.name, (BUNDLED_DIR / task).read_text(), path.read_text()))
+        out.append((path.name, (BUNDLED_DIR / headers(path)["task"]).read_text(), path.read_text()))
     return out
 
 
@@ -51,6 +52,17 @@ def run(pairs: list[tuple[str, str, str]], workers: int) -> tuple[dict, float]:
     with Evaluator(EvalConfig(device="cuda"), workers=workers) as ev:
         results = ev.evaluate_many([(ref, cand) for _, ref, cand in pairs])
     return {name: r for (name, _, _), r in zip(pairs, results)}, time.perf_counter() - t0
+
+
+def honest_row(name: str, alone: EvalResult, beside: EvalResult, tolerance: float) -> dict:
+    """One honest kernel alone and beside the hostile ones: ok only when both are `correct` with the
+    same hack codes and speedups within `tolerance` (a kernel failing both times proves nothing)."""
+    drift = abs(beside.speedup / alone.speedup - 1) if alone.speedup and beside.speedup else None
+    ok = (alone.verdict == beside.verdict == "correct" and alone.hacks == beside.hacks
+          and drift is not None and drift <= tolerance)
+    return {"file": name, "serial": [alone.verdict, alone.hacks, alone.speedup],
+            "beside_hostile": [beside.verdict, beside.hacks, beside.speedup], "speedup_drift": drift, "ok": ok,
+            "idle_wait_s": beside.details.get("idle_wait_s"), "retried_alone": beside.details.get("retried_alone")}
 
 
 def main() -> int:
@@ -63,14 +75,7 @@ def main() -> int:
     honest = honest_pairs(args.kernelbench)
     serial, serial_s = run(honest, 1)
     mixed, mixed_s = run(hostile_pairs() + honest, args.workers)
-    rows = []
-    for name, _, _ in honest:
-        a, b = serial[name], mixed[name]
-        drift = abs(b.speedup / a.speedup - 1) if a.speedup and b.speedup else None
-        rows.append({"file": name, "serial": [a.verdict, a.hacks, a.speedup], "beside_hostile": [b.verdict, b.hacks, b.speedup],
-                     "speedup_drift": drift, "ok": a.verdict == b.verdict and a.hacks == b.hacks
-                     and (drift is None or drift <= args.tolerance),
-                     "idle_wait_s": b.details.get("idle_wait_s"), "retried_alone": b.details.get("retried_alone")})
+    rows = [honest_row(name, serial[name], mixed[name], args.tolerance) for name, _, _ in honest]
     hostile = [{"file": n, "verdict": mixed[n].verdict, "hacks": mixed[n].hacks} for n, _, _ in hostile_pairs()]
     summary = {"serial_s": serial_s, "mixed_s": mixed_s, "workers": args.workers, "rows": rows, "hostile": hostile,
                "all_ok": all(r["ok"] for r in rows)}

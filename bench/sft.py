@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from drkernel.modeling import enable_gradient_checkpointing  # noqa: E402
 from drkernel.sft import SFTLoss, sft_step  # noqa: E402
 
 QWEN25_15B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -58,8 +59,8 @@ def build_model(shape: dict, dtype: torch.dtype, device: str, ckpt: bool, attn: 
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **kwargs)
-    if ckpt:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if ckpt:  # as drkernel.sft's model loading does
+        enable_gradient_checkpointing(model)
     return model.train()
 
 

@@ -1,5 +1,5 @@
-"""bench/eval_throughput.py: the comparison with 1 worker, the cache pass (through the wrapper
-today, through `EvalConfig.cache_dir` once it exists) and a tiny CPU run. No timed assertions."""
+"""bench/eval_throughput.py: the comparison with 1 worker, the cache pass (through
+`EvalConfig.cache_dir`) and a tiny CPU run. No timed assertions."""
 
 import dataclasses
 import json
@@ -47,13 +47,6 @@ def test_unexpected_checks_known_expectations_only():
                                              ("c", "hacked decoy_kernel", "hacked no_triton_kernel")]
 
 
-@dataclasses.dataclass
-class CachingConfig(EvalConfig):
-    """EvalConfig as it will be once the evaluator caches itself."""
-
-    cache_dir: str = ""
-
-
 class FakeEvaluator:
     seen: list = []
 
@@ -74,7 +67,7 @@ class FakeEvaluator:
 def test_pass_hands_the_cache_dir_to_an_evaluator_that_caches(monkeypatch, tmp_path):
     monkeypatch.setattr(et, "Evaluator", FakeEvaluator)
     FakeEvaluator.seen = []
-    p = et.evaluate_pass(CachingConfig(device="cpu"), 3, [("r", "c1"), ("r", "c2")], tmp_path / "c", "warm")
+    p = et.evaluate_pass(EvalConfig(device="cpu"), 3, [("r", "c1"), ("r", "c2")], tmp_path / "c", "warm")
     assert FakeEvaluator.seen == [(str(tmp_path / "c"), 3), (str(tmp_path / "c"), 2)]  # warm-up, then the set
     assert p.hit_rate == 1.0 and p.workers == 3
 

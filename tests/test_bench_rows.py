@@ -1,0 +1,53 @@
+"""The row and table helpers of the GPU bench scripts, on made-up results (no GPU, no evaluation):
+bench/neighbours.py's verdict on one honest kernel, bench/evaluator.py's row per case and
+bench/ablation.py's printed table."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import ablation, neighbours  # noqa: E402
+from bench import evaluator as evaluator_bench  # noqa: E402
+from drkernel.evaluator import EvalResult  # noqa: E402
+
+
+def result(verdict="correct", speedup=None, hacks=(), **kw):
+    return EvalResult(verdict=verdict, speedup=speedup, hacks=list(hacks), **kw)
+
+
+def test_an_honest_kernel_failing_alone_and_beside_hostile_ones_is_not_ok():
+    row = neighbours.honest_row("k.py", result("runtime_error"), result("runtime_error"), 0.03)
+    assert row["ok"] is False and row["speedup_drift"] is None
+
+
+def test_an_honest_kernel_is_ok_only_correct_both_times_and_within_the_tolerance():
+    assert neighbours.honest_row("k.py", result(speedup=1.0), result(speedup=1.02), 0.03)["ok"] is True
+    assert neighbours.honest_row("k.py", result(speedup=1.0), result(speedup=1.05), 0.03)["ok"] is False
+    assert neighbours.honest_row("k.py", result(speedup=1.0), result(speedup=1.0, hacks=["side_stream"]),
+                                 0.03)["ok"] is False
+    drift = neighbours.honest_row("k.py", result(speedup=2.0), result(speedup=1.98), 0.03)["speedup_drift"]
+    assert drift == pytest.approx(0.01)
+
+
+def test_evaluator_row_says_what_the_speedups_were_measured_against_and_how_precisely():
+    runs = [result(speedup=1.0, baseline="compile", speedup_precise=True, wall_s=2.0),
+            result(speedup=1.1, baseline="compile", speedup_precise=False, wall_s=4.0)]
+    row = evaluator_bench._row("case", runs)
+    assert row["baseline"] == "compile" and row["precise"] == [True, False]
+    assert row["spread"] == pytest.approx(0.1) and row["median_wall_s"] == 3.0
+
+
+def test_ablation_prints_its_headline_numbers_as_a_table(capsys):
+    run = {"final_J": 2.5, "mean_cosine_to_on_policy": 0.7, "mean_reject_rate": 0.25,
+           "expected_update_cosine_to_on_policy": 0.99}
+    ablation.print_table({"N": 4, "grpo_over_trloo_grad_ratio": 0.751, "grpo_on_true_gradient": 0.755,
+                          "trloo_on_true_gradient": 1.007, "lazy_share_start": 0.62, "lazy_share_with_pr_prs": 0.35,
+                          "lazy_share_without": 0.83, "mismatch": {"drift_corrected": run}, "wall_s": 9.9})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("(a) GRPO / TRLOO gradient, N=4 (1 - 1/N = 0.750)") and lines[0].endswith("0.751")
+    assert next(line for line in lines if line.startswith("drift_corrected")).split()[1:] == \
+        ["2.500", "0.700", "0.990", "0.250"]
