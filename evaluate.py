@@ -58,7 +58,7 @@ from typing import Any, NoReturn, Sequence
 from drkernel.config import (COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Resolved, TaskSelection, compose,
                              limit_problems, script_config)
 from drkernel.evalcache import cacheable, fingerprint, verdict_settings, with_environment
-from drkernel.evaluator import EvalConfig, EvalResult, device_problem, resolve_device
+from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.jsonl import JsonlWriter, iter_jsonl
 from drkernel.layouts import Candidate, LayoutError, Scan, Skipped, attempt_name, scan_candidates
 from drkernel.tasks import Task
@@ -166,13 +166,12 @@ def start_line(run: Resolved[EvaluateConfig]) -> str:
 
 
 def check_device(name: str) -> str:
-    """The device to evaluate on (`auto` resolved); one this machine lacks is a usage error.
-    Call before anything imports triton (`resolve_device` turns on its interpreter on cpu). The
-    parent asks torch only whether CUDA is available, which leaves later forks usable."""
-    problem = device_problem(name)
-    if problem:
-        fail(problem)
-    return resolve_device(name)
+    """The device to evaluate on (`resolve_device`); one this machine lacks is a usage error.
+    Call before anything imports triton."""
+    try:
+        return resolve_device(name)
+    except ValueError as exc:
+        fail(str(exc))
 
 
 def load_selected_tasks(cfg: EvaluateConfig) -> list[Task]:

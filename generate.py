@@ -59,7 +59,7 @@ from drkernel import stts
 from drkernel.api_policy import ApiConfig, ApiError, ChatGenerator, Failure
 from drkernel.config import (COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, ModelSelection, Resolved,
                              TaskSelection, changed_settings, compose, limit_problems, script_config)
-from drkernel.evaluator import EvalConfig, EvalResult, device_problem, resolve_device
+from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.generation import GenerationConfig
 from drkernel.jsonl import JsonlWriter, iter_jsonl, json_safe, write_json
 from drkernel.rollout import RolloutConfig
@@ -170,8 +170,6 @@ def check_config(cfg: GenerateConfig) -> None:
     problems = limit_problems(cfg)
     if cfg.stts_ties not in stts.TIES:
         problems.append(f"--stts_ties must be one of {', '.join(stts.TIES)}, not {cfg.stts_ties!r}")
-    if cfg.backend not in ("hf", "static"):
-        problems.append(f"--backend must be hf or static, not {cfg.backend!r}")
     if cfg.api_base_url and not cfg.api_model:
         problems.append("--api_base_url needs --api_model (the model name the endpoint serves)")
     if _unwritable(Path(cfg.output)):
@@ -199,10 +197,10 @@ def start_line(run: Resolved[GenerateConfig]) -> str:
 
 def _resolve_device(name: str) -> str:
     """auto -> cuda or cpu (`resolve_device`); cuda without a visible GPU is a clear error."""
-    problem = device_problem(name)
-    if problem:
-        fail(problem)
-    return resolve_device(name)  # before anything imports triton
+    try:
+        return resolve_device(name)  # before anything imports triton
+    except ValueError as exc:
+        fail(str(exc))
 
 
 # --------------------------------------------------------------------------------------
@@ -217,7 +215,7 @@ class Policy:
     model: Any
     tokenizer: Any
     generator: Callable | None = None  # None: drkernel.generation.generate
-    max_prompt_tokens: int = 4096  # in the tokenizer's unit
+    max_prompt_tokens: int = _Ro.max_prompt_tokens  # in the tokenizer's unit
     counts_tokens: bool = True  # False: response lengths are characters (API), not stored
 
 

@@ -1,16 +1,17 @@
 """Training entry point: `accelerate launch train.py [--stage rl|sft] [--config FILE|none] [--key value ...]`.
 
-    accelerate launch train.py                       # the RL stage's preset, configs/cpu_quick.yaml
+    accelerate launch train.py                       # the RL stage's bare run: its preset, configs/cpu_quick.yaml
     accelerate launch train.py --max_steps 1         # the same run with one step
+    accelerate launch train.py --config configs/rl_example.yaml       # that file instead of the preset
     accelerate launch train.py --config none --model Qwen/Qwen2.5-1.5B-Instruct \\
-        --tasks ../shared/kernelbench --levels 1 --output_dir runs/rl_qwen   # the library defaults
-    accelerate launch train.py --stage sft           # supervised warm-up, configs/sft_quick.yaml
+        --tasks ../shared/kernelbench --levels 1 --output_dir runs/rl_qwen   # the library defaults alone
+    accelerate launch train.py --stage sft           # supervised warm-up, its preset configs/sft_quick.yaml
     python train.py --help                           # the rule below and every option
 
-Settings, in order: the library defaults (the config dataclass), a base file, then each
---key value. The base file is `--config FILE`, else the stage's preset (the run a bare command
-starts); `--config none` means no file. Stage "rl" (the default) is `drkernel.trainer.main`;
-stage "sft" is `drkernel.sft.main`.
+Settings, in order: the library defaults (the stage's config dataclass), a base file, then each
+--key value. A bare run's base is the stage's preset, so each option adjusts that run; `--config
+FILE` replaces the preset and `--config none` drops it. Stage "rl" (the default) is
+`drkernel.trainer.main`; stage "sft" is `drkernel.sft.main`.
 """
 
 from __future__ import annotations
@@ -77,9 +78,11 @@ def help_text(name: str) -> str:
         USAGE, "",
         "Stages (default rl), each with the preset a bare run uses:", *stages, "",
         "Settings, in order: the library defaults, then a base file, then each --key value.",
-        "Without --config the base is the stage's preset, so an option changes one setting of the",
-        "bare run (--max_steps 1: the preset with one step). --config FILE replaces the preset;",
-        f"--config {NO_CONFIG} starts from the library defaults alone (the paper's settings).",
+        "Without --config the base is the stage's preset, so an option adjusts the bare run",
+        "(--max_steps 1: the preset with one step). --config FILE replaces the preset (FILE over the",
+        f"library defaults); --config {NO_CONFIG} drops it: the library defaults alone (for rl, the",
+        "released recipe's algorithm and reward at a small scale; configs/drkernel_recipe.yaml is the",
+        "full recipe).",
         "--resume_from auto|DIR continues a checkpoint and refuses settings that differ from the ones",
         "it was made with (max_steps, checkpoint and logging intervals and the like may change).",
         "The first line on stderr says which base a run uses.", "",

@@ -6,11 +6,13 @@
 # STAGES picks, in order (default: all, about 25 minutes on one H200, plus up to 5 for rl_step):
 #   hacks       every hack, legit, fault and attack fixture through the evaluator (bench/hacks.py)
 #   neighbours  4 honest kernels alone, then beside a hostile one with 4 runners (bench/neighbours.py)
-#   ref_self    the reference against itself: every level-1-3 problem once, then 20 repeats of the
-#               launch-bound MobileNetV1/V2 and ResNet18 (bench/ref_self.py)
-#   solutions   bench/solutions against the eager and the torch.compile baseline (bench/evaluator.py)
-#   throughput  candidates a minute: the full-size mixed set (1 and N runners), the RL-shaped batch
-#               (8 problems x 16 candidates, N runners) (bench/eval_throughput.py)
+#   ref_self    the reference against itself: 20 repeats of the launch-bound MobileNetV1/V2 and
+#               ResNet18, then every level-1-3 problem once (bench/ref_self.py)
+#   solutions_eager, solutions_compile  bench/solutions against the eager or the torch.compile
+#               baseline (bench/evaluator.py)
+#   throughput_full  candidates a minute on the full-size mixed set, 1 and N runners (FULL_WORKERS
+#               picks other counts) (bench/eval_throughput.py --set full)
+#   throughput_rl    candidates a minute on the RL-shaped batch, 8 problems x 16 candidates, N runners
 #   rl_step     one RL step whose responses are replayed candidates, so the trainer's own evaluator
 #               judges 64 real kernels with N runners; time per phase (bench/rl_step.py --policy replay)
 #   cli         the evaluator CLI's wall time for one level-1 evaluation, three times
@@ -23,23 +25,21 @@ OUT=${OUT:-bench/results}
 KB=${KB:-.bench_data/kernelbench}
 N=${N:-6}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-for stage in ${STAGES:-hacks neighbours ref_self solutions throughput rl_step cli costs}; do
+for stage in ${STAGES:-hacks neighbours ref_self solutions_eager solutions_compile throughput_full throughput_rl rl_step cli costs}; do
     echo "== $stage"
     case $stage in
     hacks) timeout 300 python bench/hacks.py --kernelbench "$KB" --out "$OUT/hacks.json" 2>&1 | tail -80 ;;
     neighbours) timeout 180 python bench/neighbours.py --kernelbench "$KB" --workers 4 \
         --out "$OUT/neighbours.json" 2>&1 | tail -12 ;;
     ref_self) timeout 420 python bench/ref_self.py --kernelbench "$KB" --out "$OUT/ref_self.json" 2>&1 | tail -40 ;;
-    solutions)
-        timeout 150 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
-            --out "$OUT/solutions_eager.json" 2>&1 | tail -20
-        timeout 240 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 --baseline compile \
-            --out "$OUT/solutions_compile.json" 2>&1 | tail -20 ;;
-    throughput)
-        timeout 420 python bench/eval_throughput.py --kernelbench "$KB" --set full --workers "1,$N" \
-            --json "$OUT/eval_throughput_full.json" 2>&1 | tail -60
-        timeout 300 python bench/eval_throughput.py --kernelbench "$KB" --set rl --workers "$N" \
-            --json "$OUT/eval_throughput_rl.json" 2>&1 | tail -40 ;;
+    solutions_eager) timeout 150 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
+        --out "$OUT/solutions_eager.json" 2>&1 | tail -20 ;;
+    solutions_compile) timeout 240 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
+        --baseline compile --out "$OUT/solutions_compile.json" 2>&1 | tail -20 ;;
+    throughput_full) timeout 420 python bench/eval_throughput.py --kernelbench "$KB" --set full \
+        --workers "${FULL_WORKERS:-1,$N}" --json "$OUT/eval_throughput_full.json" 2>&1 | tail -60 ;;
+    throughput_rl) timeout 300 python bench/eval_throughput.py --kernelbench "$KB" --set rl --workers "$N" \
+        --json "$OUT/eval_throughput_rl.json" 2>&1 | tail -40 ;;
     rl_step) timeout 300 python bench/rl_step.py --tasks "$KB" --policy replay --steps 1 \
         --out "$OUT/rl_step_replay.json" -- --eval_workers "$N" 2>&1 | grep -v "it/s" | tail -16 ;;
     cli)

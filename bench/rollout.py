@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.qwen2 import random_model  # noqa: E402
 from drkernel.generation import GenerationConfig, generate  # noqa: E402
 
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
@@ -32,19 +33,10 @@ QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
 
 
 def build_model(layers: int, device: str, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    shape = dict(QWEN25_05B, num_hidden_layers=layers)
-    cfg = AutoConfig.for_model("qwen2", **shape)
-    cfg.eos_token_id = None  # every row decodes the full length
-    torch.manual_seed(0)
-    with torch.device(device):
-        try:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        except TypeError:  # older transformers
-            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+    # no end-of-sequence token: every row decodes the full length
+    model = random_model(dict(QWEN25_05B, num_hidden_layers=layers, eos_token_id=None), device, dtype)
     model.generation_config.eos_token_id = None
-    return model.to(device=device, dtype=dtype).eval()
+    return model.eval()
 
 
 def sync(device: str) -> None:

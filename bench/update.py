@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.qwen2 import random_model  # noqa: E402
 from drkernel import modeling  # noqa: E402
 from drkernel.trainer import TrainConfig, UpdateSample, disable_dropout, make_optimizer, policy_update  # noqa: E402
 
@@ -94,17 +95,7 @@ def parse_variant(text: str) -> dict:
 
 
 def build_model(shape: dict, device: str, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("qwen2", **shape)
-    cfg.use_cache = False
-    torch.manual_seed(0)
-    with torch.device(device):
-        try:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        except TypeError:  # older transformers
-            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
-    return model.to(device=device, dtype=dtype)
+    return random_model(dict(shape, use_cache=False), device, dtype)
 
 
 def attention_flops(shape: dict, samples) -> float:

@@ -127,11 +127,3 @@ def compute_advantages(
         std = (sq / counts.clamp(min=1.0)).sqrt()
         adv = adv / (std + STD_EPS)
     return torch.where(mask & (counts > 1), adv, zero)
-
-
-def broadcast_to_tokens(adv_per_sample: Tensor, token_mask: Tensor) -> Tensor:
-    """[N] sample advantages -> [N, L] token advantages, 0 on masked tokens."""
-    if adv_per_sample.dim() != 1 or adv_per_sample.shape[0] != token_mask.shape[0]:
-        raise ValueError(f"adv_per_sample must be [N]={token_mask.shape[0]}, got {tuple(adv_per_sample.shape)}")
-    m = token_mask.bool()
-    return torch.where(m, adv_per_sample[:, None].expand(m.shape), torch.zeros((), dtype=adv_per_sample.dtype))

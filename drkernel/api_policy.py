@@ -75,7 +75,7 @@ class ApiConfig:
     backoff_s: float = 2.0  # wait before the 2nd attempt; doubles after each, with jitter
     max_backoff_s: float = 60.0  # longest wait between attempts (a Retry-After is capped here too)
     concurrency: int = 8  # requests in flight
-    chars_per_token: float = 4.0
+    chars_per_token: float = 4.0  # prompt characters per token (`prompt_budget`)
 
 
 @dataclasses.dataclass
@@ -129,7 +129,7 @@ class MessageCodec:
         return 0x110000
 
 
-def prompt_budget(max_prompt_tokens: int, chars_per_token: float = 4.0) -> int:
+def prompt_budget(max_prompt_tokens: int, chars_per_token: float = ApiConfig.chars_per_token) -> int:
     """`max_prompt_tokens` in the codec's unit (characters of the JSON-rendered conversation)."""
     return int(max_prompt_tokens * chars_per_token)
 
@@ -324,7 +324,7 @@ class ChatGenerator:
     `failures` (trajectory index -> `Failure`). A failed trajectory gets empty responses and no
     further requests until the next `begin`."""
 
-    def __init__(self, policy: ChatPolicy, concurrency: int = 8, codec: MessageCodec | None = None,
+    def __init__(self, policy: ChatPolicy, concurrency: int = ApiConfig.concurrency, codec: MessageCodec | None = None,
                  seed: int | None = None, progress: RequestProgress | None = None):
         self.policy = policy
         self.concurrency = max(1, int(concurrency))

@@ -42,12 +42,10 @@ CACHE_VERSION = 1
 # - device: `auto` and `cuda` (or `cuda:0` and `cuda:1` of one GPU model) resolve to the same
 #   hardware; which hardware ran the evaluation is the fingerprint's part of the key;
 # - timeout: an evaluation that finished did not reach its limit, and timeouts are never cached;
-# - max_output_chars: bounds the captured stdout/stderr; a result too large is `crashed` (never
-#   cached);
-# - cache_dir: where results are stored (a planned EvalConfig field) never changes them.
+# - cache_dir: where results are stored never changes them.
 # Every other field, including any added later, is part of the key: a new setting is assumed to
 # matter until someone argues here that it does not.
-NON_VERDICT_FIELDS = frozenset({"device", "timeout", "max_output_chars", "cache_dir"})
+NON_VERDICT_FIELDS = frozenset({"device", "timeout", "cache_dir"})
 
 # Verdicts and hack codes that depend on the machine's state rather than on the two programs.
 UNCACHED_VERDICTS = frozenset({"timeout", "crashed"})

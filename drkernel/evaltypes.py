@@ -79,7 +79,6 @@ class EvalConfig:
     idle_probe_ms: float = 0.5
     idle_wait_s: float = 60.0
     max_rss_mb: int = 0  # 0: no limit beyond the sandbox default
-    max_output_chars: int = 20000
     # False only to measure torch-only candidates (baselines, the reference timed against itself):
     # then no Triton launch is required and the decoy checks are off. Never for rewards.
     require_triton: bool = True

@@ -35,7 +35,7 @@ from drkernel.sandbox import SandboxLimits, SandboxPool
 
 
 
-def device_problem(device: str) -> str | None:
+def _device_problem(device: str) -> str | None:
     """Why `device` cannot be used here, or None. Checked before any work: a missing GPU would
     otherwise come back as the candidate's runtime_error."""
     if device in ("auto", "cpu"):
@@ -59,7 +59,12 @@ class ConfinementError(RuntimeError):
 
 def resolve_device(device: str) -> str:
     """`auto` → `cuda` when a GPU is visible, else `cpu`; on cpu turn on Triton's interpreter
-    (it must be set before anything applies @triton.jit, so scripts call this first)."""
+    (it must be set before anything applies @triton.jit, so scripts call this first). A device
+    this machine lacks raises ValueError with a message for the user. Only asks torch whether
+    CUDA is available, which leaves later forks usable."""
+    problem = _device_problem(device)
+    if problem:
+        raise ValueError(problem)
     if device == "auto":
         import torch  # importing torch does not import triton's jit
 
@@ -170,7 +175,7 @@ def _map_group(res: Any, n: int) -> list[EvalResult]:
 def _limits(cfg: EvalConfig, jobs: int = 1):
     """Sandbox limits for one job that judges `jobs` - 1 candidates after its reference set-up:
     each of them may use the whole `timeout`."""
-    kw: dict[str, Any] = {"timeout_s": float(cfg.timeout) * jobs, "max_output_chars": int(cfg.max_output_chars)}
+    kw: dict[str, Any] = {"timeout_s": float(cfg.timeout) * jobs}
     if cfg.max_rss_mb:
         kw["max_rss_mb"] = int(cfg.max_rss_mb)
     return SandboxLimits(**kw)
@@ -669,14 +674,15 @@ def _parse(argv: list[str]) -> _Command:
     """The command line, checked; `_UsageError` (its message already on stderr) when it is unusable."""
     p = _parser()
     a = p.parse_args(argv)
-    problem = device_problem(a.device)
-    if problem:
-        p.error(problem)
+    try:
+        device = resolve_device(a.device)
+    except ValueError as exc:
+        p.error(str(exc))
     for flag, path in (("--reference", a.reference), ("--candidate", a.candidate)):
         if not os.path.isfile(path):
             p.error(f"{flag}: no such file: {path}")
     cfg = EvalConfig(**{opt.name: getattr(a, opt.name) for opt in _OPTIONS})
-    cfg.device = resolve_device(cfg.device)
+    cfg.device = device
     return _Command(a.reference, a.candidate, cfg, a.json)
 
 

@@ -29,14 +29,16 @@ from typing import Sequence
 
 import torch
 
-from drkernel.config import COUNT, UP_TO_1, Limit
+from drkernel.config import COUNT, UP_TO_1, Limit, OneOf
+
+BACKENDS = ("hf", "static")
 
 
 @dataclasses.dataclass
 class GenerationConfig:
     # the values each setting accepts; every script config that mirrors one checks it (drkernel.config)
     LIMITS = {"max_new_tokens": COUNT, "temperature": Limit(0, why="0 = greedy"), "top_p": UP_TO_1,
-              "top_k": Limit(0, why="0 = no top-k filtering"), "batch_size": COUNT}
+              "top_k": Limit(0, why="0 = no top-k filtering"), "batch_size": COUNT, "backend": OneOf(BACKENDS)}
 
     max_new_tokens: int = 1024
     temperature: float = 1.0
@@ -291,61 +293,80 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def _shape_buckets(prompts: list, cfg: GenerationConfig) -> list:
+    """The prompts, with rows repeating prompt 0 up to a power of two when the step is compiled.
+
+    CUDA graphs are recorded per concrete (batch, cache length), even once dynamo has compiled the
+    step with dynamic sizes (after the second size it meets): a power-of-two batch and a cache in
+    multiples of 256 (`_cache_len`) let the turns and steps of a run replay a few recorded graphs
+    instead of recording one per prompt length."""
+    if not cfg.compile:
+        return prompts
+    return list(prompts) + [prompts[0]] * (_pow2(len(prompts)) - len(prompts))
+
+
+def _cache_len(total: int, cfg: GenerationConfig) -> int:
+    """Cache positions for `total` tokens: a multiple of 256 when compiled (a power of two, 1024
+    instead of 768, measured slower on the H200: 11.4k vs 12.8k tokens/s, since decode attention
+    runs over the whole static cache)."""
+    return -(-total // 256) * 256 if cfg.compile else total
+
+
+def _kv_cache(model, batch_size: int, max_cache_len: int, device, dtype) -> tuple[object, bool]:
+    """(cache, static): a StaticCache where this transformers can build one, else a DynamicCache."""
+    cache = make_static_cache(model, batch_size, max_cache_len, device, dtype)
+    if cache is not None:
+        return cache, True
+    from transformers import DynamicCache
+    try:
+        return DynamicCache(config=model.config), False
+    except TypeError:
+        return DynamicCache(), False
+
+
+def _compiled_step(model, decoder: _Decoder):
+    """The decode step compiled with CUDA graphs, once per model."""
+    key = id(model)
+    if key not in _COMPILED:
+        # a bound method: torch.compile wraps functions and modules, not arbitrary callables
+        _COMPILED[key] = torch.compile(decoder.__call__, mode="reduce-overhead", fullgraph=False)
+    return _COMPILED[key]
+
+
+def _sampling_generator(cfg: GenerationConfig, device) -> torch.Generator | None:
+    """The seeded source of the sampling noise (None: torch's global one)."""
+    if cfg.seed is None or not cfg.do_sample:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(cfg.seed))
+    return gen
+
+
 def _generate_static(model, tokenizer, prompts, cfg, eos, pad_id) -> list[GenOutput]:
     device = _model_device(model)
-    dtype = next(model.parameters()).dtype
     n_rows = len(prompts)
-    if cfg.compile:
-        # CUDA graphs are recorded per concrete (batch, cache length), even once dynamo has
-        # compiled the step with dynamic sizes (after the second size it meets): round the batch
-        # up to a power of two and the cache to a multiple of 256, so that the turns and steps of
-        # a run replay a few recorded graphs instead of recording one per prompt length. (A
-        # power-of-two cache, 1024 instead of 768, measured slower on the H200 in session 2:
-        # 11.4k vs 12.8k tokens/s; decode attention runs over the whole static cache.) Extra rows
-        # repeat prompt 0.
-        prompts = list(prompts) + [prompts[0]] * (_pow2(n_rows) - n_rows)
-    ids, mask = left_pad(prompts, pad_id, device)
+    ids, mask = left_pad(_shape_buckets(prompts, cfg), pad_id, device)
     bsz, plen = ids.shape
     n_new = int(cfg.max_new_tokens)
-    total = plen + n_new
-    max_cache_len = -(-total // 256) * 256 if cfg.compile else total
-    cache = make_static_cache(model, bsz, max_cache_len, device, dtype)
-    static = cache is not None
-    if not static:
-        from transformers import DynamicCache
-        try:
-            cache = DynamicCache(config=model.config)
-        except TypeError:
-            cache = DynamicCache()
+    max_cache_len = _cache_len(plen + n_new, cfg)
+    cache, static = _kv_cache(model, bsz, max_cache_len, device, next(model.parameters()).dtype)
     decoder = _Decoder(model)
-    step_fn = decoder
     use_compile = bool(cfg.compile) and static and device.type == "cuda"
-    if use_compile:
-        key = id(model)
-        if key not in _COMPILED:
-            # a bound method: torch.compile wraps functions and modules, not arbitrary callables
-            _COMPILED[key] = torch.compile(decoder.__call__, mode="reduce-overhead", fullgraph=False)
-        step_fn = _COMPILED[key]
+    step_fn = _compiled_step(model, decoder) if use_compile else decoder
 
     full_mask = torch.zeros((bsz, max_cache_len), dtype=torch.long, device=device)
     full_mask[:, :plen] = mask
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     next_pos = mask.sum(-1, keepdim=True)  # [B, 1] position of the next token of each row
-
-    gen = None
-    if cfg.seed is not None and cfg.do_sample:
-        gen = torch.Generator(device=device)
-        gen.manual_seed(int(cfg.seed))
-
+    gen = _sampling_generator(cfg, device)
     tokens = torch.full((bsz, n_new), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros((bsz, n_new), dtype=torch.float32, device=device)
     done = torch.zeros(bsz, dtype=torch.bool, device=device)
     eos_t = torch.tensor(eos if (eos and not cfg.ignore_eos) else [-1], device=device)
     n_done_steps = 0
 
-    pre_mask = full_mask if static else mask
-    logits = decoder(ids, pre_mask, positions, cache, torch.arange(plen, device=device))
-    check_every = 8 if device.type == "cuda" else 1
+    logits = decoder(ids, full_mask if static else mask, positions, cache, torch.arange(plen, device=device))
+    check_every = 8 if device.type == "cuda" else 1  # a host sync per check: rare on CUDA
     for step in range(n_new):
         tok, lp = sample_next(logits, cfg, gen, compiled=use_compile)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
@@ -384,8 +405,8 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: GenerationConfig |
     cfg = cfg or GenerationConfig()
     if not prompts:
         return []
-    if cfg.backend not in ("hf", "static"):
-        raise ValueError(f"unknown generation backend {cfg.backend!r} (hf | static)")
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"unknown generation backend {cfg.backend!r} ({' | '.join(BACKENDS)})")
     eos = eos_token_ids(model, tokenizer)
     pad_id = _pad_id(tokenizer, eos)
     was_training = model.training
@@ -411,15 +432,3 @@ def generate(model, tokenizer, prompts: list[list[int]], cfg: GenerationConfig |
         if was_training:
             model.train()
     return outputs  # type: ignore[return-value]
-
-
-def recompute_logprobs(model, prompt_ids: Sequence[int], response_ids: Sequence[int],
-                       temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / T) of `response_ids` from one full forward pass (the trainer's view)."""
-    device = _model_device(model)
-    ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=device)
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0].float()
-    t = temperature if temperature and temperature > 0 else 1.0
-    logp = torch.log_softmax(logits[len(prompt_ids) - 1:-1] / t, dim=-1)
-    return logp.gather(-1, torch.tensor(list(response_ids), device=device)[:, None]).squeeze(-1)

@@ -27,6 +27,18 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
+def finite(x: Any) -> float | None:
+    """A number read from a row or result as a finite float; None for anything else (missing,
+    text, a bool, NaN, ±inf)."""
+    if x is None or isinstance(x, bool):
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
 def dumps(obj: Any, **kwargs) -> str:
     return json.dumps(json_safe(obj), allow_nan=False, default=repr, **kwargs)
 

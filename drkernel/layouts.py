@@ -5,9 +5,6 @@ of `Candidate`s and one `Skipped` per entry it could not use (a line that is not
 a row with a missing or mistyped field, a file that is not UTF-8 text, a sample directory
 without one kernel, a second candidate for the same attempt), so one bad entry never costs the
 good ones. Only a root that is missing, unreadable or in no known layout is a `LayoutError`.
-`discover_candidates` and `load_generations` are the strict readers for callers that want all
-or nothing: the first skipped entry is a `LayoutError`, and candidates come back as dicts
-(`dataclasses.asdict` of `Candidate`).
 
 A candidate's `path` is the file to evaluate (None for JSONL generations, whose `code` is
 inline); `code` is None when a generation produced no code (the caller records a
@@ -54,8 +51,7 @@ LAYOUT_HELP = (
 
 
 class LayoutError(ValueError):
-    """A candidates path that is missing, unreadable or in none of the accepted layouts (for the
-    strict readers also: the first entry that had to be skipped)."""
+    """A candidates path that is missing, unreadable or in none of the accepted layouts."""
 
 
 def attempt_name(level: int | None, problem_id: int, sample: int, turn: int, name: str | None = None) -> str:
@@ -292,19 +288,3 @@ def scan_candidates(root: str | Path) -> Scan:
         return _unique(_scan_directory(root))
     except OSError as exc:
         raise LayoutError(f"{root}: cannot read it ({exc.strerror or exc})") from None
-
-
-def _strict(scan: Scan) -> list[dict]:
-    if scan.skipped:
-        raise LayoutError(str(scan.skipped[0]))
-    return [dataclasses.asdict(c) for c in scan.candidates]
-
-
-def discover_candidates(root: str | Path) -> list[dict]:
-    """All candidates under `root` as dicts; LayoutError at the first entry that is not usable."""
-    return _strict(scan_candidates(root))
-
-
-def load_generations(path: str | Path) -> list[dict]:
-    """Candidates (dicts) from a JSONL of generations; LayoutError at the first bad line or row."""
-    return _strict(_unique(scan_generations(path)))

@@ -41,7 +41,7 @@ class LossConfig:
             raise ValueError(f"norm_length must be > 0, got {self.norm_length}")
 
 
-def aggregate(values: Tensor, mask: Tensor, loss_type: str, norm_length: float = 1000.0) -> Tensor:
+def aggregate(values: Tensor, mask: Tensor, loss_type: str, norm_length: float = LossConfig.norm_length) -> Tensor:
     """Reduce per-token values [N, L] to a scalar; masked tokens contribute nothing anywhere.
 
     token-mean:              sum_{n,l} m v / sum_{n,l} m
@@ -75,7 +75,7 @@ def masked_mean(values: Tensor, mask: Tensor) -> float:
     return float(aggregate(values.detach(), mask, "token-mean"))
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tensor:
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = LossConfig.kl_estimator) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled by pi.
 
     k1 = log pi - log pi_ref; k3 = exp(log pi_ref - log pi) - (log pi_ref - log pi) - 1 (>= 0,
@@ -92,42 +92,37 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tens
     raise ValueError(f"unknown kl estimator {kind!r}; expected one of {KL_ESTIMATORS}")
 
 
-def apply_sample_mask(token_mask: Tensor, sample_keep: Tensor) -> Tensor:
-    """Drop whole samples (PRS-rejected, outcome-masked) from the loss: token_mask & keep[:, None].
+def _check_shapes(logp: Tensor, named: tuple[tuple[str, Optional[Tensor]], ...]) -> None:
+    """logp must be [N, L] and every given tensor the same shape (ValueError naming the one that is not)."""
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [N, L], got shape {tuple(logp.shape)}")
+    for name, t in named:
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
 
-    Compute advantages *before* this, with the full turn mask, so dropped samples still
-    count in their group's baseline.
-    """
-    return token_mask.bool() & sample_keep.bool()[:, None]
+
+def _token_advantages(advantages: Tensor, logp: Tensor) -> Tensor:
+    """Advantages as [N, L]: per-token ones as given, a per-sample [N] one repeated over its tokens."""
+    if advantages.dim() == 1:
+        if advantages.shape[0] != logp.shape[0]:
+            raise ValueError(f"advantages [N] must have N={logp.shape[0]}, got {advantages.shape[0]}")
+        return advantages[:, None].expand_as(logp)
+    if advantages.shape != logp.shape:
+        raise ValueError(f"advantages shape {tuple(advantages.shape)} must be [N] or {tuple(logp.shape)}")
+    return advantages
 
 
-def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    cfg: LossConfig,
-    ref_logp: Optional[Tensor] = None,
-    is_weights: Optional[Tensor] = None,
-    entropy: Optional[Tensor] = None,
-) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, cfg: LossConfig,
+                ref_logp: Optional[Tensor] = None, is_weights: Optional[Tensor] = None,
+                entropy: Optional[Tensor] = None) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip (+ dual-clip) loss, aggregated per cfg.loss_type, plus optional KL / entropy terms.
 
     `is_weights` (truncated rollout-vs-trainer importance weights, see mismatch.py) multiply
     the per-token policy-gradient loss. Returns (scalar loss, metrics).
     """
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be [N, L], got shape {tuple(logp.shape)}")
-    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp),
-                    ("is_weights", is_weights), ("entropy", entropy)):
-        if t is not None and t.shape != logp.shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} != logp shape {tuple(logp.shape)}")
-    if advantages.dim() == 1:
-        if advantages.shape[0] != logp.shape[0]:
-            raise ValueError(f"advantages [N] must have N={logp.shape[0]}, got {advantages.shape[0]}")
-        advantages = advantages[:, None].expand_as(logp)
-    elif advantages.shape != logp.shape:
-        raise ValueError(f"advantages shape {tuple(advantages.shape)} must be [N] or {tuple(logp.shape)}")
+    _check_shapes(logp, (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp),
+                         ("is_weights", is_weights), ("entropy", entropy)))
+    advantages = _token_advantages(advantages, logp)
 
     valid = mask.to(logp.dtype) > 0
     zero = torch.zeros((), dtype=logp.dtype)

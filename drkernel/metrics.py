@@ -8,6 +8,8 @@ Vocabulary
 - A *row* is one evaluated attempt: a dict with at least `level`, `problem_id`, `sample`,
   `turn`, `verdict`, `compiled`, `correct`, `speedup`, `hacks`, `triton_time_share`
   (the fields of `EvalResult.to_dict()` plus the four keys). Missing `sample`/`turn` mean 0.
+  The rules of one attempt (`is_correct`, `is_fast`, ...) also take an `EvalResult` itself, so
+  the rewards, PRS and the trainer's statistics judge a result by the same rules as the reports.
 - `expected` lists the (level, problem_id) pairs that *should* have been evaluated, with
   `samples` samples each and `turns` turns each. A unit (or a unit's turn) without a row is
   **missing** and counts as a failure: not compiled, not correct, no speedup. Rows for
@@ -46,9 +48,32 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence, Union
+
+from drkernel.jsonl import finite
 
 DEFAULT_P_VALUES = (0, 1, 1.2, 1.5, 2, 3)
+
+
+class Result(Protocol):
+    """The fields of an evaluated attempt that the rules read, as attributes (`EvalResult`)."""
+
+    verdict: str
+    compiled: bool
+    correct: bool
+    speedup: float | None
+    speedup_interval: list | None
+    hacks: list
+
+
+Attempt = Union[Mapping[str, Any], Result]  # a row, or a result
+
+
+def attempt_value(attempt: Attempt, name: str) -> Any:
+    """`name` of an attempt: a row's key or a result's attribute (None when it has none)."""
+    if isinstance(attempt, Mapping):
+        return attempt.get(name)
+    return getattr(attempt, name, None)
 
 
 def fast_key(p: float) -> str:
@@ -70,48 +95,45 @@ def row_key(row: dict) -> tuple[int, int, int, int]:
     return (*unit_key(row), int(row.get("turn") or 0))
 
 
-def is_hacked(row: dict) -> bool:
-    return row.get("verdict") == "hacked" or bool(row.get("hacks"))
+def is_hacked(attempt: Attempt) -> bool:
+    return attempt_value(attempt, "verdict") == "hacked" or bool(attempt_value(attempt, "hacks"))
 
 
-def is_correct(row: dict | None) -> bool:
-    if row is None or is_hacked(row):
+def is_correct(attempt: Attempt | None) -> bool:
+    """The one rule of a correct attempt (a row or an `EvalResult`): verdict `correct`, `correct`
+    true and no hack flagged. A hacked attempt is never correct, whatever its other fields say."""
+    if attempt is None or is_hacked(attempt):
         return False
-    return row.get("verdict") == "correct" and bool(row.get("correct"))
+    return attempt_value(attempt, "verdict") == "correct" and bool(attempt_value(attempt, "correct"))
 
 
-def is_compiled(row: dict | None) -> bool:
-    return row is not None and bool(row.get("compiled"))
+def is_compiled(attempt: Attempt | None) -> bool:
+    return attempt is not None and bool(attempt_value(attempt, "compiled"))
 
 
-def usable_speedup(row: dict | None) -> float | None:
+def usable_speedup(attempt: Attempt | None) -> float | None:
     """The speedup of a correct attempt when it is a finite positive number, else None."""
-    if not is_correct(row):
+    if not is_correct(attempt):
         return None
-    s = row.get("speedup")
-    try:
-        s = float(s)
-    except (TypeError, ValueError):
-        return None
-    return s if math.isfinite(s) and s > 0 else None
+    s = finite(attempt_value(attempt, "speedup"))
+    return s if s is not None and s > 0 else None
 
 
-def is_fast(row: dict | None, p: float) -> bool:
-    if not is_correct(row):
+def is_fast(attempt: Attempt | None, p: float) -> bool:
+    if not is_correct(attempt):
         return False
     if p <= 0:
         return True
-    s = usable_speedup(row)
+    s = usable_speedup(attempt)
     return s is not None and s > p
 
 
-def is_surely_fast(row: dict | None, p: float) -> bool:
+def is_surely_fast(attempt: Attempt | None, p: float) -> bool:
     """Fast at p with the speedup's whole 95 % interval above p (`speedup_interval`)."""
-    if not is_fast(row, p) or p <= 0:
-        return is_fast(row, p)
-    interval = row.get("speedup_interval")
+    if not is_fast(attempt, p) or p <= 0:
+        return is_fast(attempt, p)
     try:
-        return float(interval[0]) > p
+        return float(attempt_value(attempt, "speedup_interval")[0]) > p
     except (TypeError, ValueError, IndexError):
         return False
 
@@ -134,25 +156,26 @@ def hack_counts(rows: Iterable[dict]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def _share(n: int, k: int) -> float:
+    """k of n (0 when there are none)."""
+    return k / n if n else 0.0
+
+
 def _block(chosen: Sequence[dict | None], attempts: Iterable[dict],
            p_values: Sequence[float], intervals: bool = False) -> dict:
     """Metrics over one attempt per unit (`None` = missing) and the attempts in scope."""
     n = len(chosen)
-
-    def rate(k: int) -> float:
-        return k / n if n else 0.0
-
     speedups = [s for s in (usable_speedup(r) for r in chosen) if s is not None]
     out = {
         "num_samples": n,
         "num_missing": sum(r is None for r in chosen),
-        "compile_rate": rate(sum(is_compiled(r) for r in chosen)),
-        "correct_rate": rate(sum(is_correct(r) for r in chosen)),
+        "compile_rate": _share(n, sum(is_compiled(r) for r in chosen)),
+        "correct_rate": _share(n, sum(is_correct(r) for r in chosen)),
     }
     for p in p_values:
-        out[fast_key(p)] = rate(sum(is_fast(r, p) for r in chosen))
+        out[fast_key(p)] = _share(n, sum(is_fast(r, p) for r in chosen))
         if intervals:
-            out[interval_key(p)] = rate(sum(is_surely_fast(r, p) for r in chosen))
+            out[interval_key(p)] = _share(n, sum(is_surely_fast(r, p) for r in chosen))
     out["mean_speedup"] = sum(speedups) / len(speedups) if speedups else None
     out["geomean_speedup"] = (math.exp(sum(math.log(s) for s in speedups) / len(speedups))
                               if speedups else None)

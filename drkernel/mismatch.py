@@ -57,6 +57,41 @@ def mean_log_ratio(log_w: Tensor, valid: Tensor, trajectory: Tensor | None = Non
     return sums / counts.clamp(min=1.0)
 
 
+def _is_weights(log_w: Tensor, valid: Tensor, has_tok: Tensor, cfg: MismatchConfig) -> tuple[Tensor, float, float]:
+    """Truncated IS weights [N, L] (1 on invalid tokens) and the shares of valid tokens and of
+    rows whose weight the token and the sequence cap cut."""
+    ratio = torch.exp(log_w)
+    n_seq = max(int(has_tok.sum()), 1)
+    n_valid = max(float(valid.sum()), 1.0)
+    weights = torch.ones_like(log_w)
+    clipped_frac = seq_clipped_frac = 0.0
+    if cfg.token_is_cap is not None:
+        weights = weights * ratio.clamp(max=cfg.token_is_cap)
+        clipped_frac = float(((ratio > cfg.token_is_cap) & valid).sum() / n_valid)
+    if cfg.seq_is_cap is not None:
+        seq_log_w = log_w.sum(-1)
+        seq_w = torch.exp(seq_log_w.clamp(max=math.log(cfg.seq_is_cap)))
+        weights = weights * seq_w[:, None]
+        seq_clipped_frac = float(((seq_log_w > math.log(cfg.seq_is_cap)) & has_tok).sum() / n_seq)
+    return torch.where(valid, weights, torch.ones((), dtype=weights.dtype)), clipped_frac, seq_clipped_frac
+
+
+def _rejections(log_w: Tensor, valid: Tensor, has_tok: Tensor, cfg: MismatchConfig,
+                trajectory: Tensor | None) -> tuple[Tensor, Tensor]:
+    """[N] rows rejected by the geometric-mean bounds and by the token veto (rows without a valid
+    token never are)."""
+    geo_reject = torch.zeros_like(has_tok)
+    veto_reject = torch.zeros_like(has_tok)
+    mean_log_w = mean_log_ratio(log_w, valid, trajectory if cfg.geo_scope == "trajectory" else None)
+    if cfg.geo_low is not None:
+        geo_reject |= mean_log_w < math.log(cfg.geo_low)
+    if cfg.geo_high is not None:
+        geo_reject |= mean_log_w > math.log(cfg.geo_high)
+    if cfg.token_veto is not None:
+        veto_reject = ((log_w < math.log(cfg.token_veto)) & valid).any(-1)
+    return geo_reject & has_tok, veto_reject & has_tok
+
+
 def mismatch_correction(
     old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: MismatchConfig,
     trajectory: Tensor | None = None,
@@ -75,44 +110,21 @@ def mismatch_correction(
                          f"{tuple(rollout_logp.shape)}, {tuple(mask.shape)}")
     with torch.no_grad():
         valid = mask.bool()
-        fvalid = valid.to(old_logp.dtype)
         zero = torch.zeros((), dtype=old_logp.dtype)
         log_w = torch.where(valid, old_logp - rollout_logp, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        ratio = torch.exp(log_w)
         has_tok = valid.any(-1)
         n_seq = max(int(has_tok.sum()), 1)
-        n_valid = max(float(fvalid.sum()), 1.0)
-
+        fvalid = valid.to(old_logp.dtype)
         # k3 estimate of KL(pi_rollout || pi_old) from tokens sampled by pi_rollout
-        mismatch_kl = float(((ratio - 1.0 - log_w) * fvalid).sum() / n_valid)
+        mismatch_kl = float(((torch.exp(log_w) - 1.0 - log_w) * fvalid).sum() / max(float(fvalid.sum()), 1.0))
 
         weights = torch.ones_like(log_w)
-        keep_seq = torch.ones_like(has_tok)
-        geo_reject = torch.zeros_like(has_tok)
-        veto_reject = torch.zeros_like(has_tok)
-        clipped_frac = 0.0
-        seq_clipped_frac = 0.0
+        clipped_frac = seq_clipped_frac = 0.0
+        geo_reject = veto_reject = torch.zeros_like(has_tok)
         if cfg.enabled:
-            if cfg.token_is_cap is not None:
-                weights = weights * ratio.clamp(max=cfg.token_is_cap)
-                clipped_frac = float(((ratio > cfg.token_is_cap) & valid).sum() / n_valid)
-            if cfg.seq_is_cap is not None:
-                seq_log_w = log_w.sum(-1)
-                seq_w = torch.exp(seq_log_w.clamp(max=math.log(cfg.seq_is_cap)))
-                weights = weights * seq_w[:, None]
-                seq_clipped_frac = float(((seq_log_w > math.log(cfg.seq_is_cap)) & has_tok).sum() / n_seq)
-            weights = torch.where(valid, weights, torch.ones((), dtype=weights.dtype))
-
-            mean_log_w = mean_log_ratio(log_w, valid, trajectory if cfg.geo_scope == "trajectory" else None)
-            if cfg.geo_low is not None:
-                geo_reject |= mean_log_w < math.log(cfg.geo_low)
-            if cfg.geo_high is not None:
-                geo_reject |= mean_log_w > math.log(cfg.geo_high)
-            if cfg.token_veto is not None:
-                veto_reject = ((log_w < math.log(cfg.token_veto)) & valid).any(-1)
-            geo_reject &= has_tok
-            veto_reject &= has_tok
-            keep_seq = ~(geo_reject | veto_reject)
+            weights, clipped_frac, seq_clipped_frac = _is_weights(log_w, valid, has_tok, cfg)
+            geo_reject, veto_reject = _rejections(log_w, valid, has_tok, cfg, trajectory)
+        keep_seq = ~(geo_reject | veto_reject)
 
         keep_mask = keep_seq[:, None].expand_as(valid).clone()
         kept = valid & keep_mask

@@ -281,25 +281,3 @@ def make_saveable(model, name: str) -> None:
         target = str(Path(name).resolve()) if Path(name).exists() else name
         for pc in model.peft_config.values():
             pc.base_model_name_or_path = target
-
-
-def tiny_random_model(vocab_size: int = 512, hidden: int = 64, layers: int = 2,
-                      heads: int = 4, arch: str = "qwen2", seed: int = 0):
-    """A tiny random-init Qwen2/Llama for tests and GPU shape benchmarks (no download)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(arch, vocab_size=vocab_size, hidden_size=hidden,
-                               intermediate_size=hidden * 2, num_hidden_layers=layers,
-                               num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
-                               max_position_embeddings=4096, tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg)
-
-
-def save_pretrained(model, tokenizer, directory: str | os.PathLike) -> None:
-    """Save weights (or the adapter) plus tokenizer, loadable again by `load_model`."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory)

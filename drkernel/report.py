@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from drkernel import metrics
-from drkernel.jsonl import read_jsonl, write_json
+from drkernel.jsonl import finite, read_jsonl, write_json
 
 MAX_SKIPPED_ROWS = 100  # skipped inputs listed in report.md
 
@@ -64,13 +64,15 @@ def _rows_for(summary: dict) -> list[tuple[str, dict]]:
     return out
 
 
+def _summary_lines(summary: dict) -> list[list[str]]:
+    """The metrics table's header and one row of cells per block (overall, levels, turns)."""
+    cols = _columns(summary)
+    return [["scope", *cols], *([name, *(_fmt(blk.get(c), c) for c in cols)] for name, blk in _rows_for(summary))]
+
+
 def format_table(summary: dict) -> str:
     """A fixed-width text table: one line per block (overall, levels, turns)."""
-    cols = _columns(summary)
-    lines = [["scope", *cols]]
-    for name, blk in _rows_for(summary):
-        lines.append([name, *(_fmt(blk.get(c), c) for c in cols)])
-    text = _aligned(lines)
+    text = aligned(_summary_lines(summary))
     hacks = summary.get("hack_counts") or {}
     text.append("hacks: " + (", ".join(f"{k}={v}" for k, v in hacks.items()) if hacks else "none"))
     verdicts = summary.get("verdict_counts") or {}
@@ -81,11 +83,11 @@ def format_table(summary: dict) -> str:
     return "\n".join(text)
 
 
-def _aligned(lines: list[list[str]]) -> list[str]:
-    """Fixed-width text rows: the first column left-aligned, the others right-aligned, a rule
-    under the header."""
+def aligned(lines: Sequence[Sequence[str]], left: int = 1) -> list[str]:
+    """Fixed-width text rows: the first `left` columns left-aligned, the others right-aligned, a
+    rule under the header."""
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    text = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+    text = ["  ".join(cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
             for line in lines]
     text.insert(1, "  ".join("-" * w for w in widths))
     return text
@@ -95,24 +97,24 @@ def _phase_line(phase_s: dict[str, float]) -> str:
     return "seconds per evaluation by phase: " + ", ".join(f"{k}={v:.2f}" for k, v in phase_s.items())
 
 
-def _markdown_table(summary: dict) -> str:
-    cols = _columns(summary)
-    out = ["| scope | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
-    for name, blk in _rows_for(summary):
-        out.append(f"| {name} | " + " | ".join(_fmt(blk.get(c), c) for c in cols) + " |")
-    return "\n".join(out)
-
-
-def _plots(summary: dict, rows: list[dict], out: Path, expected, samples, turns) -> list[str]:
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend: files only, never a display."""
     import matplotlib
 
-    matplotlib.use("Agg")  # files only; never a display
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
+    return plt
 
-    curve = metrics.fast_p_curve(rows, expected, samples, turns)
-    fig, ax = plt.subplots(figsize=(6, 4))
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+
+
+def _plot_fast_p(curve: list[tuple[float, float]], path: Path) -> None:
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     ax.plot([p for p, _ in curve], [100 * v for _, v in curve], lw=2, drawstyle="steps-post")
     ax.axvline(1.0, color="grey", ls="--", lw=1)
     ax.set_xlabel("speedup threshold p")
@@ -120,13 +122,12 @@ def _plots(summary: dict, rows: list[dict], out: Path, expected, samples, turns)
     ax.set_ylim(0, 100)
     ax.set_title("Fast@p (correct and speedup > p)")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "fast_p_curve.png", dpi=100)
-    plt.close(fig)
-    written.append("fast_p_curve.png")
+    _save(fig, path)
 
-    levels = sorted(summary.get("per_level", {}))
-    by_level = {lvl: [] for lvl in levels}
+
+def _speedups_by_level(levels: list[int], rows: list[dict], expected) -> dict[int, list[float]]:
+    """The usable speedups of the rows of each level (of the expected problems, when given)."""
+    by_level: dict[int, list[float]] = {lvl: [] for lvl in levels}
     wanted = {(int(l), int(p)) for l, p in expected} if expected is not None else None
     for r in rows:
         s = metrics.usable_speedup(r)
@@ -136,7 +137,12 @@ def _plots(summary: dict, rows: list[dict], out: Path, expected, samples, turns)
             continue
         if s is not None and lvl in by_level and (wanted is None or (lvl, int(r["problem_id"])) in wanted):
             by_level[lvl].append(s)
-    fig, axes = plt.subplots(1, max(1, len(levels)), figsize=(4 * max(1, len(levels)), 3.5), squeeze=False)
+    return by_level
+
+
+def _plot_speedup_hist(by_level: dict[int, list[float]], path: Path) -> None:
+    levels = list(by_level)
+    fig, axes = _pyplot().subplots(1, max(1, len(levels)), figsize=(4 * max(1, len(levels)), 3.5), squeeze=False)
     for ax, lvl in zip(axes[0], levels or [None]):
         vals = by_level.get(lvl, [])
         if vals:
@@ -147,14 +153,12 @@ def _plots(summary: dict, rows: list[dict], out: Path, expected, samples, turns)
         ax.set_title(f"level {lvl}" if lvl is not None else "no levels")
         ax.set_xlabel("speedup (correct attempts)")
         ax.set_ylabel("count")
-    fig.tight_layout()
-    fig.savefig(out / "speedup_hist.png", dpi=100)
-    plt.close(fig)
-    written.append("speedup_hist.png")
+    _save(fig, path)
 
-    per_turn = summary.get("per_turn", {})
+
+def _plot_per_turn(per_turn: dict, path: Path) -> None:
     ts = sorted(int(t) for t in per_turn)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _pyplot().subplots(figsize=(6, 4))
     for key, label in (("correct_rate", "correct"), ("fast_1", "fast_1")):
         ax.plot(ts, [100 * (per_turn[t].get(key) or 0.0) for t in ts], marker="o", label=label)
     ax.set_xlabel("turn (0-based)")
@@ -164,11 +168,16 @@ def _plots(summary: dict, rows: list[dict], out: Path, expected, samples, turns)
     ax.legend()
     ax.grid(alpha=0.3)
     ax.set_title("per-turn correctness")
-    fig.tight_layout()
-    fig.savefig(out / "per_turn.png", dpi=100)
-    plt.close(fig)
-    written.append("per_turn.png")
-    return written
+    _save(fig, path)
+
+
+def _plots(summary: dict, rows: list[dict], out: Path, expected, samples, turns) -> list[str]:
+    """The evaluation's three plots, written into `out`; their file names."""
+    _plot_fast_p(metrics.fast_p_curve(rows, expected, samples, turns), out / "fast_p_curve.png")
+    levels = sorted(summary.get("per_level", {}))
+    _plot_speedup_hist(_speedups_by_level(levels, rows, expected), out / "speedup_hist.png")
+    _plot_per_turn(summary.get("per_turn", {}), out / "per_turn.png")
+    return ["fast_p_curve.png", "speedup_hist.png", "per_turn.png"]
 
 
 def _skipped_section(summary: dict) -> list[str]:
@@ -211,7 +220,7 @@ def write_report(summary: dict, rows: Iterable[dict], output_dir: str | os.PathL
               f"{summary.get('num_attempts', '?')} evaluated attempts.")
     md += ["", "Fast@p = share of units that are correct with speedup > p (strict, as in KernelBench); "
            "fast_0 = correct rate. Overall and per-level rows use each unit's best turn.", ""]
-    md += ["## Metrics", "", _markdown_table(summary), ""]
+    md += ["## Metrics", "", *_markdown(_summary_lines(summary)), ""]
     md += ["## Hack counts", ""]
     hacks = summary.get("hack_counts") or {}
     if hacks:
@@ -299,12 +308,6 @@ class RunHistory:
         return [pattern] if self.has(pattern) else []
 
 
-def _number(value) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value) if math.isfinite(value) else None
-
-
 def _turn_rates(rollout_rows: list[dict]) -> dict[str, float]:
     """Share of a step's turns that compiled, that were flagged with each hack code, and with any
     (`hacked`)."""
@@ -324,12 +327,12 @@ def load_run_history(output_dir: str | os.PathLike) -> RunHistory:
     out = Path(output_dir)
     by_step: dict[int, dict] = {}
     for row in read_jsonl(out / "metrics.jsonl")[0]:
-        if _number(row.get("step")) is not None:
+        if finite(row.get("step")) is not None:
             by_step[int(row["step"])] = row
     steps = sorted(by_step)
     records = []
     for step in steps:
-        record = {k: _number(v) for k, v in by_step[step].items() if k != "step"}
+        record = {k: finite(v) for k, v in by_step[step].items() if k != "step"}
         record.update(_turn_rates(read_jsonl(out / "rollouts" / f"step_{step}.jsonl")[0]))
         records.append(record)
     keys = dict.fromkeys(k for r in records for k in r)
@@ -377,16 +380,12 @@ def run_table(history: RunHistory) -> list[list[str]]:
 
 
 def _plot_run(history: RunHistory, title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never a display
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
     panels = [(p, keys) for p in PANELS if (keys := [k for pat in p.keys for k in history.keys(pat)])]
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = _pyplot().subplots(rows, cols, figsize=(4.6 * cols, 3.4 * rows), squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     for ax, (panel, keys) in zip(axes.flat, panels):
@@ -415,9 +414,7 @@ def _plot_run(history: RunHistory, title: str, path: Path) -> None:
         if len(keys) > 1:
             ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _markdown(lines: Sequence[Sequence[str]]) -> list[str]:
@@ -438,6 +435,6 @@ def write_run_report(output_dir: str | os.PathLike, title: str) -> dict[str, Pat
     md = [f"# {title}", "", f"Per step{shown}; every step is in metrics.jsonl and TensorBoard (logs/).", "",
           *_markdown(lines), "", f"![training curves]({RUN_PLOT})", ""]
     (out / "report.md").write_text("\n".join(md))
-    print("\n".join([f"{title}{shown}:", *_aligned(lines),
+    print("\n".join([f"{title}{shown}:", *aligned(lines),
                      f"report: {out / 'report.md'}  plots: {out / RUN_PLOT}"]), flush=True)
     return {"report.md": out / "report.md", RUN_PLOT: out / RUN_PLOT}

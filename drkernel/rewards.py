@@ -25,9 +25,11 @@ has a profile, so "reject" leaves no correct turn in the loss there.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from typing import TYPE_CHECKING, Any
+
+from drkernel.jsonl import finite
+from drkernel.metrics import is_correct
 
 if TYPE_CHECKING:
     from drkernel.evaltypes import EvalResult
@@ -74,34 +76,19 @@ def _get(result: Any, key: str, default: Any = None) -> Any:
     return getattr(result, key, default)
 
 
-def _finite(x: Any) -> float | None:
-    if x is None or isinstance(x, bool):
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
-def is_correct(result: Any) -> bool:
-    """Verdict `correct` and no hack codes."""
-    return _get(result, "verdict") == "correct" and not _get(result, "hacks")
-
-
 def compute_reward(result: Any, cfg: RewardConfig | None = None) -> RewardTerms:
     """`result`: an EvalResult or its dict (`verdict`, `hacks`, `speedup`, `triton_time_share`, `timing`)."""
     cfg = cfg or RewardConfig()
     verdict = _get(result, "verdict")
     hacks = _get(result, "hacks") or []
-    if verdict != "correct" or hacks:
+    if not is_correct(result):
         if hacks:
             reason = "hacked: " + ", ".join(map(str, hacks))
         else:
-            reason = str(verdict or "no verdict")
+            reason = str(verdict or "no verdict") + ("" if verdict != "correct" else " (but not marked correct)")
         return RewardTerms(reward=float(cfg.fail_reward), failed=True, reason=reason)
     correct_term = cfg.correct_weight * 1.0
-    speedup = _finite(_get(result, "speedup"))
+    speedup = finite(_get(result, "speedup"))
     speedup_term = 0.0
     notes = []
     if speedup is not None:
@@ -110,7 +97,7 @@ def compute_reward(result: Any, cfg: RewardConfig | None = None) -> RewardTerms:
             notes.append("cpu_wall speedup")
     else:
         notes.append("no speedup")
-    share = _finite(_get(result, "triton_time_share"))
+    share = finite(_get(result, "triton_time_share"))
     profile_term = 0.0
     if share is not None:
         profile_term = cfg.profile_weight * min(max(share, 0.0), 1.0)
@@ -136,7 +123,7 @@ def prs_keep_prob(share: float | None, cfg: RewardConfig | None = None) -> float
     """clamp((share - threshold) / width, 0, 1) for a correct turn; 1.0 when PRS is disabled.
     A missing share reads as 0 (`prs_missing_profile="reject"`) or keeps the turn ("keep")."""
     cfg = cfg or RewardConfig()
-    s = _finite(share)
+    s = finite(share)
     if not cfg.prs_enabled:
         return 1.0
     if s is None:

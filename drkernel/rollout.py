@@ -70,12 +70,18 @@ class TurnSample:
     messages: list[dict] | None = None
 
 
+def derived_seed(*parts) -> int:
+    """A 32-bit seed that is a pure function of `parts` (the run's seed and where it is used),
+    the same on every process and Python version, unlike `hash()`."""
+    return int(hashlib.sha256(":".join(map(str, parts)).encode()).hexdigest()[:8], 16)
+
+
 def turn_seed(seed: int, turn: int) -> int:
     """The sampling seed of turn `turn` (1-based): `seed` itself for turn 1, a hash of (seed,
     turn) after it. One seed for every turn would replay turn 1's random draws in each turn."""
     if turn == 1:
         return int(seed)
-    return int(hashlib.sha256(f"{int(seed)}:turn{turn}".encode()).hexdigest()[:8], 16)
+    return derived_seed(int(seed), f"turn{turn}")
 
 
 def rollout(model, tokenizer, tasks: Sequence[Task], evaluate_fn: EvaluateFn,
@@ -195,14 +201,14 @@ def rollout_stats(trajectories: Sequence[Sequence[TurnSample]]) -> dict:
     groups = {f"turn{k}": v for k, v in sorted(by_turn.items())}
     groups["all"] = [s for v in by_turn.values() for s in v]
     for name, ss in groups.items():
-        rows = [s.result.to_dict() for s in ss]
-        correct = [r for r in rows if metrics.is_correct(r)]
-        shares = [float(s.result.triton_time_share) for s in ss if s.result.triton_time_share is not None]
+        results = [s.result for s in ss]
+        correct = [r for r in results if metrics.is_correct(r)]
+        shares = [float(r.triton_time_share) for r in results if r.triton_time_share is not None]
         n = max(1, len(ss))
         stats[f"{name}/n"] = float(len(ss))
         stats[f"{name}/correct"] = len(correct) / n
-        stats[f"{name}/speedup"] = _mean([float(r.get("speedup") or 0.0) for r in correct])
-        stats[f"{name}/fast_1"] = sum(metrics.is_fast(r, 1.0) for r in rows) / n
+        stats[f"{name}/speedup"] = _mean([float(r.speedup or 0.0) for r in correct])
+        stats[f"{name}/fast_1"] = sum(metrics.is_fast(r, 1.0) for r in results) / n
         stats[f"{name}/triton_share"] = _mean(shares)
         stats[f"{name}/format_error"] = sum(1 for s in ss if s.result.verdict == FORMAT_ERROR) / n
         stats[f"{name}/response_len"] = _mean([float(len(s.response_ids)) for s in ss])

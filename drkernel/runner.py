@@ -187,8 +187,8 @@ class Runner:
         self.inputs = [ipc.view(arena, s) if s else v for s, v in zip(layout.inputs, layout.input_values)]
         self.slots = [ipc.view(arena, s) for s in layout.outputs]
         self.structure = msg["structure"]
-        import torch._dynamo  # noqa: F401  (rebinds torch.manual_seed: before the snapshot)
-        import torch.profiler  # noqa: F401
+        importlib.import_module("torch._dynamo")  # rebinds torch.manual_seed: before the snapshot
+        importlib.import_module("torch.profiler")
         confine.restrict(self.job_dir, self.report, hidden=msg.get("hidden") or [])
         self.watched = {**self.recorder.install(), **_evidence_machinery()}
         if self.device.type == "cuda":

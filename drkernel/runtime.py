@@ -14,6 +14,10 @@ and leave the same things behind in `output_dir`:
 
 Resuming (`--resume_from auto|<checkpoint dir>`) restores all of it; the caller then skips
 the data it already consumed, using the position stored in trainer_state.json.
+
+A checkpoint records the settings it was made with (`SETTINGS_KEY` in its trainer_state.json);
+`start_run` refuses to resume it under other settings, except those in the config class's
+`RESUME_SAFE` (along its MRO), which only warn.
 """
 
 from __future__ import annotations
@@ -22,19 +26,36 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence, TypeVar
 
-from drkernel.config import ConfigError, ModelSelection
+from drkernel.config import (BELOW_1, COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, ModelSelection,
+                             changed_settings, load_config, shown_path)
 from drkernel.jsonl import json_safe
 
+T = TypeVar("T")
 TRAINER_STATE = "trainer_state.json"
+SETTINGS_KEY = "config"  # where a checkpoint's trainer_state.json records the run's settings
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 
 
 @dataclasses.dataclass
 class RunConfig(ModelSelection):
     """Fields both stages take (RL's TrainConfig and SFTConfig extend this)."""
+
+    LIMITS = {
+        "max_steps": COUNT, "learning_rate": NON_NEGATIVE, "weight_decay": NON_NEGATIVE, "adam_beta1": BELOW_1,
+        "adam_beta2": BELOW_1, "warmup_steps": NON_NEGATIVE, "max_grad_norm": Limit(0, why="0 = no clipping"),
+        "gradient_accumulation_steps": COUNT, "gradient_checkpointing_every": COUNT,
+        "lora_r": Limit(0, why="0 = no LoRA"), "lora_alpha": POSITIVE, "lora_dropout": BELOW_1,
+        "seed": NON_NEGATIVE, "save_steps": Limit(0, why="0 = only at the end"),
+        "save_total_limit": Limit(0, why="0 = keep all"),
+    }
+    # may change when a run is resumed: where and how often it writes, how long it runs, and how the
+    # same update is computed
+    RESUME_SAFE = ("output_dir", "resume_from", "max_steps", "save_steps", "save_total_limit", "log_with",
+                   "project_name", "gradient_checkpointing", "gradient_checkpointing_every", "torch_compile")
 
     output_dir: str = "runs/drkernel"
     max_steps: int = 2
@@ -212,3 +233,64 @@ def load_checkpoint(accelerator, path: str | os.PathLike) -> dict[str, Any]:
     accelerator.load_state(str(path))
     with open(Path(path) / TRAINER_STATE) as fh:
         return json.load(fh)
+
+
+# --------------------------------------------------------------------------------------
+# starting a run: the start line and the resume check
+# --------------------------------------------------------------------------------------
+
+def record_settings(cfg: Any) -> dict[str, Any]:
+    """What a checkpoint's trainer_state.json holds about the settings it was made with."""
+    return {SETTINGS_KEY: dataclasses.asdict(cfg)}
+
+
+def resume_safe(cls: type) -> set[str]:
+    """The settings of `cls` that may change on resume (`RESUME_SAFE` along the MRO)."""
+    return {k for klass in cls.__mro__ for k in vars(klass).get("RESUME_SAFE", ())}
+
+
+def _recorded_settings(state_file: Path) -> dict[str, Any] | None:
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{state_file}: cannot read it ({exc})") from None
+    saved = state.get(SETTINGS_KEY) if isinstance(state, dict) else None
+    return saved if isinstance(saved, dict) else None
+
+
+def check_resume(cfg: Any) -> list[str]:
+    """Before resuming `cfg.resume_from`: a ConfigError naming every setting that differs from the
+    checkpoint's, except those in `RESUME_SAFE`; for those, the warnings to print."""
+    path = resolve_resume(cfg.resume_from, cfg.output_dir)
+    if path is None:
+        return []
+    saved = _recorded_settings(path / TRAINER_STATE)
+    if saved is None:
+        return [f"{shown_path(path)} does not record the settings it was made with; they are not checked"]
+    changes = changed_settings(saved, cfg)
+    safe = resume_safe(type(cfg))
+    refused = [c for c in changes if c.key not in safe]
+    if refused:
+        raise ConfigError(
+            f"--resume_from {cfg.resume_from}: {shown_path(path)} was made with other settings "
+            f"({'; '.join(map(str, refused))}: the checkpoint's value, then this run's). Resuming would "
+            f"continue that run under settings it was not trained with: give the settings it was made with "
+            f"(the same --config and options) or start a new run in another --output_dir. "
+            f"Only {', '.join(sorted(safe))} may change on resume.")
+    return [f"resuming {shown_path(path)} with {c} (a setting that may change on resume)" for c in changes]
+
+
+def _say(line: str) -> None:
+    """A line on stderr, once per launch (from the first process of `accelerate launch`)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
+def start_run(cls: type[T], argv: Sequence[str] | None, preset: str | os.PathLike | None, prog: str) -> T:
+    """A training stage's settings (`load_config`), announced in one line on stderr, with the
+    resume check done (ConfigError when it refuses)."""
+    run = load_config(cls, argv, preset)
+    _say(run.start_line(prog))
+    for warning in check_resume(run.cfg):
+        _say(f"{prog}: warning: {warning}")
+    return run.cfg

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -33,10 +34,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from drkernel.config import (COUNT, NON_NEGATIVE, RUN_LIMITS, RUN_RESUME_SAFE, ConfigError, Limit, limit_problems,
-                             record_settings, start_run)
-from drkernel.runtime import RunConfig
-from drkernel.sft_data import (IGNORE_INDEX, SFTDataError, collate, load_conversations,
+from drkernel.config import COUNT, NON_NEGATIVE, ConfigError, Limit, OneOf, limit_problems
+from drkernel.runtime import RunConfig, record_settings, start_run
+from drkernel.sft_data import (IGNORE_INDEX, OVERLONG, DataStats, SFTDataError, collate, load_conversations,
                                pack_sequences, tokenize_dataset)
 
 
@@ -46,11 +46,12 @@ class SFTConfig(RunConfig):
     field defaults are the library defaults (`train.py --stage sft --config none`); a bare
     `train.py --stage sft` runs configs/sft_quick.yaml over them."""
 
-    LIMITS = {**RUN_LIMITS, "max_steps": Limit(-1, why="-1 = num_epochs passes over the data"),
+    # beside RunConfig's limits
+    LIMITS = {"max_steps": Limit(-1, why="-1 = num_epochs passes over the data"),
               "max_length": Limit(2), "per_device_train_batch_size": COUNT, "num_epochs": NON_NEGATIVE,
-              "loss_chunk_size": Limit(0, why="0 = full logits")}
-    # may change when a run is resumed: bookkeeping, how long it runs, and how the same step is computed
-    RESUME_SAFE = RUN_RESUME_SAFE + ("num_epochs", "loss_chunk_size", "fused_adamw", "attn_implementation")
+              "loss_chunk_size": Limit(0, why="0 = full logits"), "overlong": OneOf(OVERLONG)}
+    # beside RunConfig's, may change when a run is resumed: how long it runs, and how the same step is computed
+    RESUME_SAFE = ("num_epochs", "loss_chunk_size", "fused_adamw", "attn_implementation")
 
     output_dir: str = "runs/sft"
     max_steps: int = -1  # -1: num_epochs passes over the data
@@ -79,8 +80,6 @@ def _validate(cfg: SFTConfig) -> None:
         raise ConfigError("; ".join(problems))
     if cfg.num_epochs < 1 and cfg.max_steps <= 0:
         raise ConfigError("num_epochs must be >= 1 (or give max_steps > 0)")
-    if cfg.overlong not in ("truncate", "drop"):
-        raise ConfigError(f"overlong must be 'truncate' or 'drop', not {cfg.overlong!r}")
 
 
 # ----------------------------------------------------------------------------- the loss
@@ -98,7 +97,7 @@ class SFTLoss:
     position t predicts token t + 1.
     """
 
-    def __init__(self, chunk_size: int = 1024):
+    def __init__(self, chunk_size: int):
         self.chunk_size = int(chunk_size)
         self.verified = False
 
@@ -160,7 +159,7 @@ def _chunk_ce(head, h, y):
 
 
 def sft_step(accelerator, model, optimizer, micro_batches: Sequence[dict], loss_fn: SFTLoss,
-             max_grad_norm: float = 1.0) -> dict:
+             max_grad_norm: float) -> dict:
     """One optimiser step over this process's micro-batches.
 
     Every backward gets `sum_ce * num_processes / trained_tokens_of_the_step`: DDP averages
@@ -193,6 +192,7 @@ def sft_step(accelerator, model, optimizer, micro_batches: Sequence[dict], loss_
 
 # ----------------------------------------------------------------------------- the loop
 
+@functools.lru_cache(maxsize=1)  # every step of an epoch reads the same order
 def epoch_order(n: int, epoch: int, seed: int, length: int) -> list[int]:
     """A fixed permutation per (seed, epoch), wrapped around to `length` items so every step
     and every process gets full batches (as DistributedSampler pads)."""
@@ -201,6 +201,37 @@ def epoch_order(n: int, epoch: int, seed: int, length: int) -> list[int]:
     g = torch.Generator().manual_seed(int(seed) * 100_003 + int(epoch))
     perm = torch.randperm(n, generator=g).tolist()
     return (perm * (length // n + 1))[:length]
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """Which rows each optimiser step trains: `per_step` rows over all processes, `per_rank` of them
+    on each, in the order `epoch_order` gives each epoch."""
+
+    rows: int
+    per_rank: int
+    per_step: int
+    steps_per_epoch: int
+    total: int  # optimiser steps of the run
+    seed: int
+
+    @classmethod
+    def make(cls, cfg: SFTConfig, rows: int, processes: int) -> "RowPlan":
+        per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+        per_step = per_rank * processes
+        steps_per_epoch = math.ceil(rows / per_step)
+        total = cfg.max_steps if cfg.max_steps > 0 else steps_per_epoch * cfg.num_epochs
+        return cls(rows, per_rank, per_step, steps_per_epoch, total, cfg.seed)
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, step within it, 0-based) of optimiser step `step` (1-based)."""
+        return divmod(step - 1, self.steps_per_epoch)
+
+    def rows_of(self, step: int, rank: int) -> list[int]:
+        """The row indices process `rank` trains at optimiser step `step`."""
+        epoch, k = self.position(step)
+        order = epoch_order(self.rows, epoch, self.seed, self.steps_per_epoch * self.per_step)
+        return order[k * self.per_step:(k + 1) * self.per_step][rank * self.per_rank:(rank + 1) * self.per_rank]
 
 
 def _trim_metrics(output_dir: str, last_step: int) -> None:
@@ -218,33 +249,30 @@ def _trim_metrics(output_dir: str, last_step: int) -> None:
     path.write_text("".join(k + "\n" for k in keep))
 
 
-def train(cfg: SFTConfig) -> dict:
-    """Run SFT; return a summary (steps, last loss, paths)."""
-    from tqdm.auto import tqdm
-    from transformers import get_scheduler
-
-    from drkernel import runtime as rt
-    from drkernel.modeling import compile_decoder_layers, load_model, load_tokenizer
-    from drkernel.report import write_run_report
-
-    # we accumulate ourselves (see sft_step), so Accelerate must not rescale the loss
-    acc = rt.make_accelerator(dataclasses.replace(cfg, gradient_accumulation_steps=1), dataclasses.asdict(cfg))
-    tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
+def _load_rows(cfg: SFTConfig, tokenizer) -> tuple[list[dict], DataStats]:
+    """The training rows (sequences, or packed rows of them) and what tokenising did."""
     rows = load_conversations(cfg.dataset, cfg.dataset_split)
     examples, dstats = tokenize_dataset(rows, tokenizer, cfg.max_length, cfg.overlong)
     if not examples:
         raise SFTDataError(f"no sequence left to train on ({dstats.dropped} dropped: too long for "
                            f"max_length={cfg.max_length} or no assistant token within it)")
-    units = pack_sequences(examples, cfg.max_length) if cfg.packing else examples
-    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
-    per_step = per_rank * acc.num_processes
-    steps_per_epoch = math.ceil(len(units) / per_step)
-    total = cfg.max_steps if cfg.max_steps > 0 else steps_per_epoch * cfg.num_epochs
-    if acc.is_main_process:
-        print(f"[sft] {dstats.conversations} conversations -> {dstats.sequences} sequences "
-              f"({dstats.truncated} truncated, {dstats.dropped} dropped at max_length={cfg.max_length}), "
-              f"{dstats.tokens} tokens, {dstats.label_tokens} trained; {len(units)} rows"
-              f"{' (packed)' if cfg.packing else ''}, {steps_per_epoch} steps/epoch, {total} steps")
+    return (pack_sequences(examples, cfg.max_length) if cfg.packing else examples), dstats
+
+
+def _data_line(cfg: SFTConfig, dstats: DataStats, plan: RowPlan) -> str:
+    return (f"[sft] {dstats.conversations} conversations -> {dstats.sequences} sequences "
+            f"({dstats.truncated} truncated, {dstats.dropped} dropped at max_length={cfg.max_length}), "
+            f"{dstats.tokens} tokens, {dstats.label_tokens} trained; {plan.rows} rows"
+            f"{' (packed)' if cfg.packing else ''}, {plan.steps_per_epoch} steps/epoch, {plan.total} steps")
+
+
+def _prepare_model(cfg: SFTConfig, acc, total_steps: int):
+    """(model, optimizer, scheduler), the first two prepared by Accelerate, the scheduler registered
+    for checkpoints."""
+    from transformers import get_scheduler
+
+    from drkernel import runtime as rt
+    from drkernel.modeling import compile_decoder_layers, load_model
 
     model = load_model(cfg.model, dtype=cfg.dtype, gradient_checkpointing=cfg.gradient_checkpointing,
                        lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
@@ -256,21 +284,56 @@ def train(cfg: SFTConfig) -> dict:
         compile_decoder_layers(model)
     optimizer = rt.make_optimizer(model, cfg, acc.device, fused=cfg.fused_adamw)
     scheduler = get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=cfg.warmup_steps,
-                              num_training_steps=total)
+                              num_training_steps=total_steps)
     model, optimizer = acc.prepare(model, optimizer)
     acc.register_for_checkpointing(scheduler)  # stepped by us, once per optimiser step
+    return model, optimizer, scheduler
 
-    start = 0
+
+def _resume(cfg: SFTConfig, acc, plan: RowPlan) -> int:
+    """Restore the newest (or the given) checkpoint; the step it was made at (0: a fresh run)."""
+    from drkernel import runtime as rt
+
     resume = rt.resolve_resume(cfg.resume_from, cfg.output_dir)
-    if resume is not None:
-        state = rt.load_checkpoint(acc, resume)
-        start = int(state["step"])
-        if state.get("rows") not in (None, len(units)) or state.get("steps_per_epoch") not in (None, steps_per_epoch):
-            print(f"[sft] warning: the data changed since {resume} ({state.get('rows')} rows then, "
-                  f"{len(units)} now): the data position is approximate", file=sys.stderr)
-        if acc.is_main_process:
-            _trim_metrics(cfg.output_dir, start)
-            print(f"[sft] resumed from {resume} at step {start}")
+    if resume is None:
+        return 0
+    state = rt.load_checkpoint(acc, resume)
+    start = int(state["step"])
+    if state.get("rows") not in (None, plan.rows) or state.get("steps_per_epoch") not in (None, plan.steps_per_epoch):
+        print(f"[sft] warning: the data changed since {resume} ({state.get('rows')} rows then, "
+              f"{plan.rows} now): the data position is approximate", file=sys.stderr)
+    if acc.is_main_process:
+        _trim_metrics(cfg.output_dir, start)
+        print(f"[sft] resumed from {resume} at step {start}")
+    return start
+
+
+def _save_checkpoint(acc, model, tokenizer, cfg: SFTConfig, step: int, plan: RowPlan) -> None:
+    from drkernel import runtime as rt
+
+    epoch, k = plan.position(step)
+    rt.save_checkpoint(acc, model, tokenizer, cfg, step, {
+        **record_settings(cfg), "stage": "sft", "epoch": epoch, "step_in_epoch": k + 1, "rows": plan.rows,
+        "steps_per_epoch": plan.steps_per_epoch})
+
+
+def train(cfg: SFTConfig) -> dict:
+    """Run SFT; return a summary (steps, last loss, paths)."""
+    from tqdm.auto import tqdm
+
+    from drkernel import runtime as rt
+    from drkernel.modeling import load_tokenizer
+    from drkernel.report import write_run_report
+
+    # we accumulate ourselves (see sft_step), so Accelerate must not rescale the loss
+    acc = rt.make_accelerator(dataclasses.replace(cfg, gradient_accumulation_steps=1), dataclasses.asdict(cfg))
+    tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
+    units, dstats = _load_rows(cfg, tokenizer)
+    plan = RowPlan.make(cfg, len(units), acc.num_processes)
+    if acc.is_main_process:
+        print(_data_line(cfg, dstats, plan))
+    model, optimizer, scheduler = _prepare_model(cfg, acc, plan.total)
+    start = _resume(cfg, acc, plan)
     logger = rt.MetricsLogger(acc, cfg.output_dir)
     if acc.is_main_process:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
@@ -278,21 +341,15 @@ def train(cfg: SFTConfig) -> dict:
 
     loss_fn = SFTLoss(cfg.loss_chunk_size)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    bsz = cfg.per_device_train_batch_size
     model.train()
-    orders: dict[int, list[int]] = {}
     last: dict[str, Any] = {}
     saved_at = start
-    bar = tqdm(range(start + 1, total + 1), initial=start, total=total, desc="sft",
+    bar = tqdm(range(start + 1, plan.total + 1), initial=start, total=plan.total, desc="sft",
                disable=not acc.is_main_process)
     for step in bar:
-        epoch, k = divmod(step - 1, steps_per_epoch)
-        if epoch not in orders:
-            orders = {epoch: epoch_order(len(units), epoch, cfg.seed, steps_per_epoch * per_step)}
-        mine = orders[epoch][k * per_step:(k + 1) * per_step][acc.process_index * per_rank:
-                                                               (acc.process_index + 1) * per_rank]
-        bsz = cfg.per_device_train_batch_size
-        micro = [collate([units[j] for j in mine[m:m + bsz]], pad_id, acc.device)
-                 for m in range(0, len(mine), bsz)]
+        mine = plan.rows_of(step, acc.process_index)
+        micro = [collate([units[j] for j in mine[m:m + bsz]], pad_id, acc.device) for m in range(0, len(mine), bsz)]
         lr = scheduler.get_last_lr()[0]
         t0 = time.perf_counter()
         out = sft_step(acc, model, optimizer, micro, loss_fn, cfg.max_grad_norm)
@@ -300,21 +357,19 @@ def train(cfg: SFTConfig) -> dict:
         dt = time.perf_counter() - t0
         last = {"loss": out["loss"], "tokens": out["tokens"], "label_tokens": out["label_tokens"],
                 "lr": lr, "tokens_per_s": out["tokens"] / max(dt, 1e-9), "grad_norm": out["grad_norm"],
-                "epoch": step / steps_per_epoch, "step_time_s": dt,
+                "epoch": step / plan.steps_per_epoch, "step_time_s": dt,
                 "seqs_truncated": dstats.truncated, "seqs_dropped": dstats.dropped}
         logger.log(last, step)
         bar.set_postfix(loss=f"{out['loss']:.4f}")
-        if (cfg.save_steps > 0 and step % cfg.save_steps == 0) or step == total:
-            rt.save_checkpoint(acc, model, tokenizer, cfg, step, {
-                **record_settings(cfg), "stage": "sft", "epoch": epoch, "step_in_epoch": k + 1, "rows": len(units),
-                "steps_per_epoch": steps_per_epoch})
+        if (cfg.save_steps > 0 and step % cfg.save_steps == 0) or step == plan.total:
+            _save_checkpoint(acc, model, tokenizer, cfg, step, plan)
             saved_at = step
     final = Path(cfg.output_dir) / "final"
     rt.save_model(acc, model, tokenizer, final)
     logger.close()
     if acc.is_main_process:
         write_run_report(cfg.output_dir, f"SFT run: {cfg.output_dir}")
-    return {"steps": total, "start_step": start, "last": last, "final": str(final),
+    return {"steps": plan.total, "start_step": start, "last": last, "final": str(final),
             "last_checkpoint": saved_at, "data": dataclasses.asdict(dstats)}
 
 

@@ -48,9 +48,13 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from drkernel import metrics
+from drkernel.jsonl import finite, iter_jsonl
+
 IGNORE_INDEX = -100
 BUNDLED_SFT = Path(__file__).parent / "data" / "sft" / "conversations.jsonl"
 ROLES = ("system", "user", "assistant", "tool")
+OVERLONG = ("truncate", "drop")  # what happens to a sequence longer than max_length
 
 
 class SFTDataError(ValueError):
@@ -60,20 +64,21 @@ class SFTDataError(ValueError):
 # ----------------------------------------------------------------------------- loading
 
 def _read_json_rows(path: Path) -> list[dict]:
-    """A .jsonl or .json file without `datasets` (the GPU image may not have it)."""
-    text = path.read_text()
-    if path.suffix == ".json" and text.lstrip().startswith("["):
-        rows = json.loads(text)
-    else:
-        rows = []
-        for i, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise SFTDataError(f"{path}:{i}: not valid JSON ({exc.msg})") from None
-    if not all(isinstance(r, dict) for r in rows):
-        raise SFTDataError(f"{path}: every row must be a JSON object")
+    """A .jsonl (or .json list) file without `datasets` (the GPU image may not have it); SFTDataError
+    names the first line that is not a JSON object."""
+    if path.suffix == ".json" and path.read_text().lstrip().startswith("["):
+        try:
+            rows = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise SFTDataError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+        if not all(isinstance(r, dict) for r in rows):
+            raise SFTDataError(f"{path}: every row must be a JSON object")
+        return rows
+    rows = []
+    for line in iter_jsonl(path):
+        if line.row is None:
+            raise SFTDataError(f"{path}:{line.lineno}: {line.error}")
+        rows.append(line.row)
     return rows
 
 
@@ -251,11 +256,11 @@ class DataStats:
 
 
 def tokenize_dataset(rows: Iterable[dict], tokenizer, max_length: int,
-                     overlong: str = "truncate") -> tuple[list[dict], DataStats]:
+                     overlong: str) -> tuple[list[dict], DataStats]:
     """Tokenise every row; sequences longer than `max_length` are cut ("truncate") or dropped
     ("drop"); a sequence left without any trained token is dropped either way."""
-    if overlong not in ("truncate", "drop"):
-        raise SFTDataError(f"overlong must be 'truncate' or 'drop', not {overlong!r}")
+    if overlong not in OVERLONG:
+        raise SFTDataError(f"overlong must be one of {OVERLONG}, not {overlong!r}")
     if max_length < 2:
         raise SFTDataError(f"max_length must be >= 2, not {max_length}")
     stats = DataStats()
@@ -366,25 +371,13 @@ def kernel_hash(code: str) -> str:
     return hashlib.sha256(norm.encode()).hexdigest()[:16]
 
 
-def _num(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
-
-
-def _hacked(row: dict) -> bool:
-    return bool(row.get("hacks")) or row.get("verdict") == "hacked"
-
-
 def _qualifies(row: dict, min_reward: float | None, min_speedup: float | None) -> bool:
     correct = bool(row.get("correct")) or row.get("verdict") == "correct"
-    if not correct or _hacked(row):
+    if not correct or metrics.is_hacked(row):
         return False
-    if min_reward is not None and (_num(row.get("reward")) is None or _num(row["reward"]) < min_reward):
+    if min_reward is not None and (finite(row.get("reward")) is None or finite(row["reward"]) < min_reward):
         return False
-    if min_speedup is not None and (_num(row.get("speedup")) is None or _num(row["speedup"]) < min_speedup):
+    if min_speedup is not None and (finite(row.get("speedup")) is None or finite(row["speedup"]) < min_speedup):
         return False
     return True
 
@@ -397,9 +390,76 @@ def _result_of(row: dict) -> dict:
     return result
 
 
+@dataclasses.dataclass
+class ConvertStats:
+    """What `generations_to_sft` kept and why it left the rest out."""
+
+    trajectories: int = 0  # (level, problem_id, sample) in the input
+    kept: int = 0  # conversations written
+    missing_task: int = 0  # trajectories of a problem not in the task set
+    hacked_turns_dropped: int = 0  # a hacked turn and the turns after it
+    truncated_at_hack: int = 0  # trajectories cut before a hacked turn
+    below_threshold: int = 0  # trajectories without a qualifying turn
+    duplicates: int = 0  # the same final kernel as a kept trajectory of the problem with a higher reward
+
+
+def _trajectories(rows: Iterable[dict]) -> dict[tuple[int, int, int], list[dict]]:
+    """The rows of each (level, problem_id, sample); SFTDataError at a row without the keys a
+    conversation needs."""
+    trajs: dict[tuple[int, int, int], list[dict]] = {}
+    for i, row in enumerate(rows):
+        missing = [k for k in ("level", "problem_id", "sample", "turn", "response") if k not in row]
+        if missing:
+            raise SFTDataError(f"generation row {i}: missing key(s) {', '.join(missing)}")
+        trajs.setdefault((int(row["level"]), int(row["problem_id"]), int(row["sample"])), []).append(row)
+    return trajs
+
+
+def _before_hack(turns: list[dict], stats: ConvertStats) -> list[dict]:
+    """The turns before the first hacked one."""
+    for t, r in enumerate(turns):
+        if metrics.is_hacked(r):
+            stats.hacked_turns_dropped += len(turns) - t
+            stats.truncated_at_hack += 1
+            return turns[:t]
+    return turns
+
+
+def _conversation(task, turns: list[dict], good: list[int], train_failed_turns: bool) -> list[dict]:
+    """The task prompt, then each turn's answer and the feedback on it (the answers of `good` turns
+    trained, the others only with `train_failed_turns`)."""
+    from drkernel.prompts import feedback_message, first_turn_messages
+
+    messages = first_turn_messages(task)
+    for t, r in enumerate(turns):
+        msg = {"role": "assistant", "content": str(r["response"])}
+        if not train_failed_turns:
+            msg["weight"] = 1 if t in good else 0
+        messages.append(msg)
+        if t < len(turns) - 1:
+            messages.append({"role": "user", "content": feedback_message(_result_of(r), int(r["turn"]))})
+    return messages
+
+
+def _best_per_kernel(candidates: list[dict], stats: ConvertStats) -> list[dict]:
+    """One trajectory per (problem, final kernel): the one with the highest final reward."""
+    candidates = sorted(candidates, key=lambda c: -(c["final_reward"] if c["final_reward"] is not None
+                                                     else -math.inf))
+    seen: set[tuple] = set()
+    out = []
+    for c in candidates:
+        key = (c["level"], c["problem_id"], c["kernel_hash"])
+        if key in seen:
+            stats.duplicates += 1
+            continue
+        seen.add(key)
+        out.append(c)
+    return sorted(out, key=lambda c: (c["level"], c["problem_id"], c["sample"]))
+
+
 def generations_to_sft(rows: Iterable[dict], tasks: Sequence, min_reward: float | None = None,
                        min_speedup: float | None = None,
-                       train_failed_turns: bool = False) -> tuple[list[dict], dict]:
+                       train_failed_turns: bool = False) -> tuple[list[dict], ConvertStats]:
     """Rejection-sampled distillation from generation rows.
 
     Per trajectory (level, problem_id, sample), turns in order:
@@ -414,66 +474,35 @@ def generations_to_sft(rows: Iterable[dict], tasks: Sequence, min_reward: float 
       keeping the one with the highest final reward.
     Returns (messages rows, stats).
     """
-    from drkernel.prompts import extract_code, feedback_message, first_turn_messages
+    from drkernel.prompts import extract_code
 
     by_key = {(int(t.level), int(t.problem_id)): t for t in tasks}
-    trajs: dict[tuple, list[dict]] = {}
-    for i, row in enumerate(rows):
-        missing = [k for k in ("level", "problem_id", "sample", "turn", "response") if k not in row]
-        if missing:
-            raise SFTDataError(f"generation row {i}: missing key(s) {', '.join(missing)}")
-        key = (int(row["level"]), int(row["problem_id"]), int(row["sample"]))
-        trajs.setdefault(key, []).append(row)
-
-    stats = {"trajectories": len(trajs), "kept": 0, "missing_task": 0, "hacked_turns_dropped": 0,
-             "truncated_at_hack": 0, "below_threshold": 0, "duplicates": 0}
+    trajs = _trajectories(rows)
+    stats = ConvertStats(trajectories=len(trajs))
     candidates = []
     for (level, pid, sample), turns in sorted(trajs.items()):
         task = by_key.get((level, pid))
         if task is None:
-            stats["missing_task"] += 1
+            stats.missing_task += 1
             continue
-        turns = sorted(turns, key=lambda r: int(r["turn"]))
-        for t, r in enumerate(turns):
-            if _hacked(r):
-                stats["hacked_turns_dropped"] += len(turns) - t
-                stats["truncated_at_hack"] += 1
-                turns = turns[:t]
-                break
+        turns = _before_hack(sorted(turns, key=lambda r: int(r["turn"])), stats)
         good = [t for t, r in enumerate(turns) if _qualifies(r, min_reward, min_speedup)]
         if not good:
-            stats["below_threshold"] += 1
+            stats.below_threshold += 1
             continue
         turns = turns[: good[-1] + 1]
-        messages = first_turn_messages(task)
-        for t, r in enumerate(turns):
-            msg = {"role": "assistant", "content": str(r["response"])}
-            if not train_failed_turns:
-                msg["weight"] = 1 if t in good else 0
-            messages.append(msg)
-            if t < len(turns) - 1:
-                messages.append({"role": "user", "content": feedback_message(_result_of(r), int(r["turn"]))})
         final = turns[-1]
         code = final.get("code") or extract_code(str(final["response"])) or str(final["response"])
-        candidates.append({"messages": messages, "level": level, "problem_id": pid, "sample": sample,
-                           "turns": len(turns), "final_reward": _num(final.get("reward")),
-                           "final_speedup": _num(final.get("speedup")), "kernel_hash": kernel_hash(code)})
-    candidates.sort(key=lambda c: -(c["final_reward"] if c["final_reward"] is not None else -math.inf))
-    seen: set[tuple] = set()
-    out = []
-    for c in candidates:
-        key = (c["level"], c["problem_id"], c["kernel_hash"])
-        if key in seen:
-            stats["duplicates"] += 1
-            continue
-        seen.add(key)
-        out.append(c)
-    out.sort(key=lambda c: (c["level"], c["problem_id"], c["sample"]))
-    stats["kept"] = len(out)
+        candidates.append({"messages": _conversation(task, turns, good, train_failed_turns), "level": level,
+                           "problem_id": pid, "sample": sample, "turns": len(turns),
+                           "final_reward": finite(final.get("reward")), "final_speedup": finite(final.get("speedup")),
+                           "kernel_hash": kernel_hash(code)})
+    out = _best_per_kernel(candidates, stats)
+    stats.kept = len(out)
     return out, stats
 
 
-def convert_file(cfg: ConvertConfig) -> dict:
+def convert_file(cfg: ConvertConfig) -> ConvertStats:
     """Read `cfg.generations`, write `cfg.out`; return the stats."""
     from drkernel.tasks import load_tasks
 
@@ -505,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, SFTDataError, TaskError, OSError) as exc:
         print(f"drkernel.sft_data: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps({"out": cfg.out, **stats}))
+    print(json.dumps({"out": cfg.out, **dataclasses.asdict(stats)}))
     return 0
 
 

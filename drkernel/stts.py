@@ -31,22 +31,15 @@ the best over every turn so far (the paper's "best candidate across all turns").
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Sequence
 
 from drkernel import metrics
+from drkernel.jsonl import finite
 from drkernel.prompts import feedback_message, first_turn_messages
+from drkernel.report import aligned
 from drkernel.tasks import Task
 
 TIES = ("earliest", "latest")
-
-
-def _reward(x) -> float:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return 0.0
-    return v if math.isfinite(v) else 0.0
 
 
 def round_turns(num_turns: int, window: int, iterations: int, window_counts: bool = True) -> list[int]:
@@ -77,7 +70,7 @@ def best_window(rewards: Sequence[float | None], window: int, ties: str = "earli
         return n, n
     if n <= window:
         return 0, n
-    values = [_reward(r) for r in rewards]
+    values = [finite(r) or 0.0 for r in rewards]
     sums = [sum(values[start:start + window]) for start in range(n - window + 1)]  # windows are short
     best = max(sums)
     starts = [i for i, total in enumerate(sums) if total == best]
@@ -148,8 +141,4 @@ def format_iterations(per_iteration: Sequence[dict],
                 v = blk.get(c)
                 cells.append("-" if v is None else (f"{v:.3f}" if c == "geomean_speedup" else f"{100 * v:.1f}%"))
             lines.append([str(it["iteration"]), scope, *cells])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    text = ["  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-            for line in lines]
-    text.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(text)
+    return "\n".join(aligned(lines, left=2))

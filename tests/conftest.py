@@ -70,7 +70,7 @@ def tiny_tokenizer(tiny_tokenizer_dir):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer, tiny_tokenizer_dir) -> Path:
     """A saved tiny random Qwen2 with the tiny tokenizer: loadable by `from_pretrained(path)`."""
-    from drkernel.modeling import tiny_random_model
+    from tests.tiny_lm import tiny_random_model
 
     d = tmp_path_factory.mktemp("tiny_model")
     model = tiny_random_model(vocab_size=len(tiny_tokenizer))

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from drkernel.advantages import broadcast_to_tokens, compute_advantages, discounted_returns
+from drkernel.advantages import compute_advantages, discounted_returns
 
 NAN = float("nan")
 
@@ -177,9 +177,3 @@ def test_bad_inputs():
         compute_advantages(REWARDS[0], MASK[0], GROUPS)
     with pytest.raises(ValueError, match="scale"):
         compute_advantages(REWARDS, MASK, GROUPS, "grpo", scale="batch")
-
-
-def test_broadcast_to_tokens():
-    tm = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
-    out = broadcast_to_tokens(torch.tensor([2.0, -1.0]), tm)
-    close(out, torch.tensor([[2.0, 2.0, 0.0], [0.0, -1.0, -1.0]]))

@@ -17,9 +17,10 @@ import torch
 
 from drkernel import modeling, sft
 from drkernel.config import ConfigError, parse_config
-from drkernel.modeling import compile_decoder_layers, decoder_layers, enable_gradient_checkpointing, tiny_random_model
+from drkernel.modeling import compile_decoder_layers, decoder_layers, enable_gradient_checkpointing
 from drkernel.tasks import load_bundled
 from drkernel.trainer import TrainConfig, Trainer, UpdateSample, _generation_mode, policy_update
+from tests.tiny_lm import tiny_random_model
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")

@@ -51,7 +51,7 @@ def test_key_changes_with_every_verdict_setting():
 def test_key_ignores_settings_that_cannot_change_a_verdict():
     base = cache_key(REF, CAND, EvalConfig(device="auto"), ENV)
     for cfg in (EvalConfig(device="cuda"), EvalConfig(device="cuda:1"), EvalConfig(timeout=999.0),
-                EvalConfig(max_output_chars=7)):
+                EvalConfig(cache_dir="/elsewhere")):
         assert cache_key(REF, CAND, cfg, ENV) == base, cfg
 
 

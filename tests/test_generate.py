@@ -93,8 +93,8 @@ def test_tiny_model_cli_writes_rows_that_evaluate_py_reads(tmp_path, tiny_model_
     assert json.loads(generate.summary_path(out).read_text())["num_samples"] == 2
 
     # evaluate.py reads the generations: one candidate per row, no code -> format errors
-    cands = layouts.load_generations(out)
-    assert len(cands) == 4 and all(c["code"] is None for c in cands)
+    scan = layouts.scan_candidates(out)
+    assert len(scan.candidates) == 4 and all(c.code is None for c in scan.candidates) and not scan.skipped
     monkeypatch.setattr(evaluate, "make_evaluator", lambda cfg, device: pytest.fail("nothing to evaluate"))
     s = evaluate.main(["--candidates", str(out), "--problem_ids", "1", "--samples", "2", "--device", "cpu",
                        "--output_dir", str(tmp_path / "eval")])
@@ -128,7 +128,8 @@ def test_resume_after_kill_writes_only_missing_rows(tmp_path, tiny_model_dir, fa
     assert calls == [["0_2"]]  # only the missing trajectory
     lines = _lines(out)
     assert lines[:2] == full[:2]  # finished rows are never rewritten
-    assert len(lines) == 4 and len(layouts.load_generations(out)) == 4  # no duplicate (problem, sample, turn)
+    scan = layouts.scan_candidates(out)
+    assert len(lines) == len(scan.candidates) == 4 and not scan.skipped  # no duplicate (problem, sample, turn)
     assert summary["num_missing"] == 0 and summary["generated_this_run"] == 1
 
     calls.clear()
@@ -159,7 +160,7 @@ def test_bad_config_is_a_clear_error(capsys):
                       (["--stts_window", "-1"], "stts_window must be >= 0"),
                       (["--api_base_url", "http://127.0.0.1:9/v1"], "--api_base_url needs --api_model"),
                       (["--api_base_url", "localhost:9", "--api_model", "m", "--device", "cpu"], "http://"),
-                      (["--backend", "vllm"], "--backend must be hf or static"),
+                      (["--backend", "vllm"], "backend must be hf or static"),
                       (["--num_turns", "two"], "bad value for num_turns: 'two'"),
                       (["--api_timeout", "0"], "api_timeout must be > 0"),
                       (["--api_backoff_s", "nan"], "api_backoff_s must be a finite number >= 0"),
@@ -294,8 +295,8 @@ def test_api_policy_cli_runs_the_training_loop(tmp_path, server, fake_eval, monk
     assert len(fake_eval["ev"].pairs) == 2
     assert summary["correct_rate"] == 1.0 and summary["per_turn"][1]["correct_rate"] == 0.0
 
-    cands = layouts.load_generations(out)  # evaluate.py's reader
-    assert sorted((c["sample"], c["turn"], c["code"] is None) for c in cands) == [
+    cands = layouts.scan_candidates(out).candidates  # evaluate.py's reader
+    assert sorted((c.sample, c.turn, c.code is None) for c in cands) == [
         (0, 0, False), (0, 1, True), (1, 0, False), (1, 1, True)]
 
     again = generate.main(args)  # complete: no request

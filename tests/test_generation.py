@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from drkernel.generation import GenerationConfig, generate, recompute_logprobs
+from drkernel.generation import GenerationConfig, generate
+from tests.tiny_lm import full_forward_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_logprobs_match_full_forward(model, tiny_tokenizer, prompts, backend, te
                            top_k=50, top_p=0.95, backend=backend, seed=0)
     for p, o in zip(prompts, generate(model, tiny_tokenizer, prompts, cfg)):
         assert len(o.logprobs) == len(o.response_ids) > 0
-        ref = recompute_logprobs(model, p, o.response_ids, temperature)
+        ref = full_forward_logprobs(model, p, o.response_ids, cfg)
         assert torch.allclose(torch.tensor(o.logprobs), ref, atol=1e-4), (o.logprobs, ref)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from drkernel.advantages import compute_advantages
-from drkernel.loss import LossConfig, aggregate, apply_sample_mask, kl_penalty, policy_loss
+from drkernel.loss import LossConfig, aggregate, kl_penalty, policy_loss
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
 VMASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
@@ -206,7 +206,7 @@ def test_dropped_samples_keep_their_baseline_but_leave_the_loss():
     torch.testing.assert_close(adv[:2], torch.tensor([-1.5, -3.0]))
     keep = torch.tensor([True, True, False])
     token_mask = torch.tensor([[1, 1], [1, 0], [1, 1]], dtype=torch.bool)
-    loss_mask = apply_sample_mask(token_mask, keep)
+    loss_mask = token_mask & keep[:, None]
     assert not loss_mask[2].any()
     cfg = LossConfig(loss_type="token-mean")
     logp = torch.zeros(3, 2)

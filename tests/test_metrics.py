@@ -6,6 +6,7 @@ import math
 import pytest
 
 from drkernel import layouts, metrics, report
+from drkernel.evaltypes import EvalResult
 
 
 def _row(level, pid, sample, turn, verdict, speedup=None, compiled=None, hacks=(), correct=None):
@@ -123,6 +124,22 @@ def test_edge_rules():
     assert s["per_level"][0]["fast_3"] == pytest.approx(1 / 4)
 
 
+def test_a_result_is_judged_by_the_rules_of_its_row():
+    """Rewards, PRS and the trainer's statistics call the rules on an `EvalResult` itself."""
+    results = [EvalResult(verdict="correct", correct=True, compiled=True, speedup=1.5, speedup_interval=[1.2, 1.8]),
+               EvalResult(verdict="correct", correct=True, speedup=3.0, hacks=["side_stream"]),  # a hack code voids it
+               EvalResult(verdict="correct", correct=False, speedup=2.0),  # the verdict alone is not enough
+               EvalResult(verdict="hacked", correct=True, hacks=["decoy_kernel"], speedup=3.0),
+               EvalResult(verdict="incorrect", compiled=True),
+               EvalResult(verdict="correct", correct=True, speedup=None)]  # correct without timing: fast_0 only
+    assert [metrics.is_correct(r) for r in results] == [True, False, False, False, False, True]
+    assert [metrics.is_fast(r, 1.0) for r in results] == [True, False, False, False, False, False]
+    assert [metrics.is_compiled(r) for r in results] == [True, False, False, False, True, False]
+    assert metrics.is_surely_fast(results[0], 1.1) and not metrics.is_surely_fast(results[0], 1.3)
+    for rule in (metrics.is_correct, metrics.is_hacked, metrics.is_compiled, metrics.usable_speedup):
+        assert [rule(r) for r in results] == [rule(r.to_dict()) for r in results], rule.__name__
+
+
 def test_fast_p_curve():
     curve = metrics.fast_p_curve(ROWS, EXPECTED, samples=2, turns=2, ps=[0, 1, 2, 3])
     assert curve == [(0.0, pytest.approx(4 / 6)), (1.0, pytest.approx(2 / 6)),
@@ -148,10 +165,10 @@ def test_runs_layout(tmp_path):
     q = tmp_path / "level_2" / "3_Conv"
     q.mkdir(parents=True)
     (q / "kernel.py").write_text("# l2")
-    cands = layouts.discover_candidates(tmp_path)
-    got = sorted((c["level"], c["problem_id"], c["sample"], c["turn"], c["code"]) for c in cands)
+    scan = layouts.scan_candidates(tmp_path)
+    got = sorted((c.level, c.problem_id, c.sample, c.turn, c.code) for c in scan.candidates)
     assert got == [(1, 19, 0, 0, "# s0"), (1, 19, 1, 0, "# s1"), (1, 19, 2, 0, "# s2"), (2, 3, 0, 0, "# l2")]
-    assert all(c["path"] and c["path"].endswith(".py") for c in cands)
+    assert all(c.path and c.path.endswith(".py") for c in scan.candidates) and not scan.skipped
 
 
 def test_runs_layout_ambiguous_sample_dir(tmp_path):
@@ -159,23 +176,23 @@ def test_runs_layout_ambiguous_sample_dir(tmp_path):
     d.mkdir(parents=True)
     (d / "a.py").write_text("")
     (d / "b.py").write_text("")
-    with pytest.raises(layouts.LayoutError, match="kernel.py"):
-        layouts.discover_candidates(tmp_path)
+    scan = layouts.scan_candidates(tmp_path)
+    assert scan.candidates == [] and len(scan.skipped) == 1
+    assert scan.skipped[0].where == str(d) and "kernel.py" in scan.skipped[0].reason
 
 
 def test_flat_layouts(tmp_path):
     (tmp_path / "1_3.py").write_text("a")
     (tmp_path / "1_3_1.py").write_text("b")
     (tmp_path / "level_2_problem_4_sample_0_kernel.py").write_text("c")
-    got = sorted((c["level"], c["problem_id"], c["sample"], c["code"])
-                 for c in layouts.discover_candidates(tmp_path))
+    got = sorted((c.level, c.problem_id, c.sample, c.code) for c in layouts.scan_candidates(tmp_path).candidates)
     assert got == [(1, 3, 0, "a"), (1, 3, 1, "b"), (2, 4, 0, "c")]
 
     named = tmp_path / "named"
     named.mkdir()
     (named / "1_ReLU.py").write_text("x")
-    (c,) = layouts.discover_candidates(named)
-    assert c["level"] is None and c["problem_id"] == 1 and c["name"] == "1_ReLU.py"
+    (c,) = layouts.scan_candidates(named).candidates
+    assert c.level is None and c.problem_id == 1 and c.name == "1_ReLU.py"
 
 
 def test_jsonl_generations(tmp_path):
@@ -184,23 +201,24 @@ def test_jsonl_generations(tmp_path):
             {"level": 1, "problem_id": 2, "sample": 0, "turn": 1, "code": None},
             {"level": 1, "problem_id": 5, "code": "   "}]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    cands = layouts.discover_candidates(f)
-    assert [(c["problem_id"], c["sample"], c["turn"], c["code"]) for c in cands] == [
-        (2, 0, 0, "class ModelNew: pass"), (2, 0, 1, None), (5, 0, 0, None)]
+    scan = layouts.scan_candidates(f)
+    assert [(c.problem_id, c.sample, c.turn, c.code) for c in scan.candidates] == [
+        (2, 0, 0, "class ModelNew: pass"), (2, 0, 1, None), (5, 0, 0, None)] and not scan.skipped
     f.write_text(json.dumps(rows[0]) + "\n{broken\n")
-    with pytest.raises(layouts.LayoutError, match=":2:"):
-        layouts.discover_candidates(f)
+    scan = layouts.scan_candidates(f)
+    assert [c.turn for c in scan.candidates] == [0]
+    assert [s.where for s in scan.skipped] == [f"{f}:2"]
 
 
 def test_unknown_layout(tmp_path):
     (tmp_path / "model.py").write_text("")
     (tmp_path / "notes.txt").write_text("")
     with pytest.raises(layouts.LayoutError, match="accepted candidate layouts"):
-        layouts.discover_candidates(tmp_path)
+        layouts.scan_candidates(tmp_path)
     with pytest.raises(layouts.LayoutError):
-        layouts.discover_candidates(tmp_path / "nope")
+        layouts.scan_candidates(tmp_path / "nope")
     with pytest.raises(layouts.LayoutError, match="ambiguous"):
-        layouts.discover_candidates(tmp_path / "model.py")
+        layouts.scan_candidates(tmp_path / "model.py")
 
 
 # ---------------------------------------------------------------------------- report

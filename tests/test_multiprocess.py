@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drkernel.modeling import tiny_random_model
+from tests.tiny_lm import tiny_random_model
 
 SCRIPT = Path(__file__).resolve().parent / "multiproc" / "update_and_advantages.py"
 ROOT = SCRIPT.parent.parent.parent

@@ -92,10 +92,10 @@ def test_no_steps_no_report(tmp_path):
 @pytest.mark.usefixtures("fresh_accelerate_state")
 def test_rl_trainer_writes_the_report_with_hack_codes(tiny_tokenizer, tmp_path, capsys):
     """Every turn answers with code; the scripted environment flags every other one as a hack."""
-    from drkernel.generation import GenOutput, recompute_logprobs
-    from drkernel.modeling import tiny_random_model
+    from drkernel.generation import GenOutput
     from drkernel.tasks import load_bundled
     from drkernel.trainer import TrainConfig, Trainer
+    from tests.tiny_lm import full_forward_logprobs, tiny_random_model
 
     tok = tiny_tokenizer
     model = tiny_random_model(vocab_size=len(tok), seed=0)
@@ -105,7 +105,7 @@ def test_rl_trainer_writes_the_report_with_hack_codes(tiny_tokenizer, tmp_path, 
                for body in ("", "    pass\n")]
 
     def generator(model, tokenizer, prompts, gcfg):
-        return [GenOutput(a, recompute_logprobs(model, p, a, gcfg.temperature).tolist(), True)
+        return [GenOutput(a, full_forward_logprobs(model, p, a, gcfg).tolist(), True)
                 for p, a in zip(prompts, answers)]
 
     def evaluate_fn(pairs):

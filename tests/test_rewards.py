@@ -10,7 +10,7 @@ from drkernel.rewards import RewardConfig, compute_reward, prs_keep, prs_keep_pr
 
 
 def test_correct_reward_terms():
-    t = compute_reward({"verdict": "correct", "hacks": [], "speedup": 2.0, "triton_time_share": 0.8})
+    t = compute_reward({"verdict": "correct", "correct": True, "hacks": [], "speedup": 2.0, "triton_time_share": 0.8})
     assert t.correct_term == 0.5 and t.speedup_term == 1.0 and t.profile_term == pytest.approx(0.4)
     assert t.reward == pytest.approx(1.9) and not t.failed
     d = t.to_dict()
@@ -18,18 +18,18 @@ def test_correct_reward_terms():
 
 
 def test_cap_and_missing_terms():
-    t = compute_reward({"verdict": "correct", "speedup": 50.0, "triton_time_share": None})
+    t = compute_reward({"verdict": "correct", "correct": True, "speedup": 50.0, "triton_time_share": None})
     assert t.speedup_term == 1.5 and t.profile_term == 0.0 and t.reward == pytest.approx(2.0)
-    t = compute_reward(SimpleNamespace(verdict="correct", hacks=[], speedup=None, triton_time_share=None))
+    t = compute_reward(SimpleNamespace(verdict="correct", correct=True, hacks=[], speedup=None, triton_time_share=None))
     assert t.reward == 0.5
-    t = compute_reward({"verdict": "correct", "speedup": 0.01, "timing": "cpu_wall"})  # counts
+    t = compute_reward({"verdict": "correct", "correct": True, "speedup": 0.01, "timing": "cpu_wall"})  # counts
     assert t.speedup_term == pytest.approx(0.005) and "cpu_wall" in t.reason
 
 
 @pytest.mark.parametrize("res", [
     {"verdict": "incorrect", "speedup": 3.0},
     {"verdict": "hacked", "hacks": ["decoy_kernel"], "speedup": None},
-    {"verdict": "correct", "hacks": ["side_stream"], "speedup": 100.0, "triton_time_share": 1.0},
+    {"verdict": "correct", "correct": True, "hacks": ["side_stream"], "speedup": 100.0, "triton_time_share": 1.0},
     {"verdict": "timeout"},
     {},
 ])
@@ -61,13 +61,13 @@ def test_prs_prob():
 def test_prs_keep():
     cfg = RewardConfig()
     g = random.Random(0)
-    lazy = {"verdict": "correct", "hacks": [], "triton_time_share": 0.05}
+    lazy = {"verdict": "correct", "correct": True, "hacks": [], "triton_time_share": 0.05}
     assert not any(prs_keep(lazy, cfg, g) for _ in range(50))
-    assert all(prs_keep({"verdict": "correct", "triton_time_share": 0.95}, cfg, g) for _ in range(50))
+    assert all(prs_keep({"verdict": "correct", "correct": True, "triton_time_share": 0.95}, cfg, g) for _ in range(50))
     assert all(prs_keep({"verdict": "incorrect", "triton_time_share": 0.0}, cfg, g) for _ in range(10))
-    assert not prs_keep({"verdict": "correct", "triton_time_share": None}, cfg, g)
-    assert prs_keep({"verdict": "correct", "triton_time_share": None}, RewardConfig(prs_missing_profile="keep"), g)
-    half = {"verdict": "correct", "triton_time_share": 0.35}
+    assert not prs_keep({"verdict": "correct", "correct": True, "triton_time_share": None}, cfg, g)
+    assert prs_keep({"verdict": "correct", "correct": True, "triton_time_share": None}, RewardConfig(prs_missing_profile="keep"), g)
+    half = {"verdict": "correct", "correct": True, "triton_time_share": 0.35}
     kept = sum(prs_keep(half, cfg, g) for _ in range(2000))
     assert 850 < kept < 1150
     with pytest.raises(ValueError, match="prs_missing_profile"):

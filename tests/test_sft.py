@@ -189,7 +189,8 @@ def tiny_lm(tiny_model_dir):
 
 
 def test_chunked_loss_matches_full_logits(tiny_lm, tiny_tokenizer):
-    ex, _ = sft_data.tokenize_dataset([{"messages": conversation(i)} for i in range(2)], tiny_tokenizer, 4096)
+    convs = [{"messages": conversation(i)} for i in range(2)]
+    ex, _ = sft_data.tokenize_dataset(convs, tiny_tokenizer, 4096, "truncate")
     batch = sft_data.collate(ex, tiny_tokenizer.pad_token_id)
     n_ref = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
     hf = tiny_lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
@@ -222,7 +223,8 @@ def test_loss_falls_back_when_logits_are_not_a_plain_projection():
 
 
 def test_packing_keeps_sequences_apart(tiny_lm, tiny_tokenizer):
-    ex, _ = sft_data.tokenize_dataset([{"messages": conversation(i)} for i in range(3)], tiny_tokenizer, 4096)
+    convs = [{"messages": conversation(i)} for i in range(3)]
+    ex, _ = sft_data.tokenize_dataset(convs, tiny_tokenizer, 4096, "truncate")
     rows = sft_data.pack_sequences(ex, max_length=sum(len(e["input_ids"]) for e in ex[:2]) + 3)
     assert [len(r["input_ids"]) for r in rows] == [len(ex[0]["input_ids"]) + len(ex[1]["input_ids"]),
                                                      len(ex[2]["input_ids"])]
@@ -257,7 +259,7 @@ def read_metrics(out: Path) -> list[dict]:
 def data_loss(model, tokenizer, dataset: Path) -> float:
     """Mean assistant-token loss of `model` on the dataset."""
     rows = sft_data.load_conversations(str(dataset))
-    ex, _ = sft_data.tokenize_dataset(rows, tokenizer, 4096)
+    ex, _ = sft_data.tokenize_dataset(rows, tokenizer, 4096, "truncate")
     batch = sft_data.collate(ex, tokenizer.pad_token_id)
     with torch.no_grad():
         s, n = sft.SFTLoss(64)(model.float().eval(), batch)
@@ -401,8 +403,8 @@ def test_generations_to_sft(generations, tiny_tokenizer):
     tasks = load_bundled()
     out, stats = sft_data.generations_to_sft(rows, tasks, min_speedup=1.05)
     assert [(r["problem_id"], r["sample"], r["turns"]) for r in out] == [(1, 0, 2), (1, 1, 1)]
-    assert stats == {"trajectories": 6, "kept": 2, "missing_task": 1, "hacked_turns_dropped": 2,
-                     "truncated_at_hack": 1, "below_threshold": 2, "duplicates": 1}
+    assert stats == sft_data.ConvertStats(trajectories=6, kept=2, missing_task=1, hacked_turns_dropped=2,
+                                          truncated_at_hack=1, below_threshold=2, duplicates=1)
     task1 = next(t for t in tasks if t.problem_id == 1)
     msgs = out[0]["messages"]
     assert msgs[:2] == first_turn_messages(task1)
@@ -437,6 +439,20 @@ def test_generations_cli(generations, tmp_path, capsys):
     assert len(rows) == 2 and rows[0]["messages"][2]["weight"] == 0
     assert sft_data.main(["--generations", str(tmp_path / "nope.jsonl"), "--out", str(out)]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_generations_cli_names_a_broken_file(generations, tmp_path, capsys):
+    """A generations file that is not JSON is a clear error (exit code 2) naming where, not a traceback."""
+    out = tmp_path / "sft.jsonl"
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(generations.read_text() + '{"level": 1, "problem_id"')
+    assert sft_data.main(["--generations", str(cut), "--out", str(out)]) == 2
+    assert f"{cut}:11: not a JSON object" in capsys.readouterr().err
+    broken = tmp_path / "gen.json"
+    broken.write_text('[{"level": 1},')
+    assert sft_data.main(["--generations", str(broken), "--out", str(out)]) == 2
+    assert f"{broken}: not valid JSON" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_bundled_labels_with_the_default_models_template():

@@ -178,15 +178,16 @@ def test_kernelbench_eval_builds_flat_dirs_without_datasets(kernelbench_path, tm
         d = runs[name]["dir"]
         tasks = load_tasks(str(d / "tasks"), levels=runs[name]["levels"])
         assert sorted(t.key for t in tasks) == ["1_19", "2_12"]
-        cands = layouts.discover_candidates(d / "candidates")
-        assert sorted((c["level"], c["problem_id"], c["sample"]) for c in cands) == [(1, 19, 0), (2, 12, 0)]
+        scan = layouts.scan_candidates(d / "candidates")
+        assert sorted((c.level, c.problem_id, c.sample) for c in scan.candidates) == [(1, 19, 0), (2, 12, 0)]
+        assert not scan.skipped
     tri = runs["triton"]["dir"] / "candidates"
     assert (tri / "2_12.py").read_text() == (kbe.SOLUTIONS / "level2_12_Gemm_Multiply_LeakyReLU.py").read_text()
     ref = (runs["reference"]["dir"] / "candidates" / "1_19.py").read_text()
     assert "class Model(" in ref and "class ModelNew(Model)" in ref and "batch_size = 4096" in ref
-    variant = layouts.discover_candidates(runs["variants"]["dir"] / "candidates")
-    assert [(c["level"], c["problem_id"]) for c in variant] == [(2, 12)]
-    assert "cuBLAS" in variant[0]["code"]  # the torch-GEMM variant of level2_12
+    variant = layouts.scan_candidates(runs["variants"]["dir"] / "candidates").candidates
+    assert [(c.level, c.problem_id) for c in variant] == [(2, 12)]
+    assert "cuBLAS" in variant[0].code  # the torch-GEMM variant of level2_12
     argv = kbe.evaluate_argv(cfg, runs["reference"])
     assert argv[argv.index("--require_triton") + 1] == "false"
 

@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from drkernel.config import ConfigError, check_resume, parse_config
-from drkernel.generation import GenOutput, generate, recompute_logprobs
+from drkernel.config import ConfigError, parse_config
+from drkernel.generation import GenOutput, generate
 from drkernel.loss import policy_loss
-from drkernel.modeling import tiny_random_model
+from drkernel.runtime import check_resume
 from drkernel.tasks import bundled_solution, load_bundled
 from drkernel.trainer import (TaskSampler, TrainConfig, Trainer, UpdateSample, collate, policy_update,
                               response_logprobs, step_seed)
+from tests.tiny_lm import full_forward_logprobs, tiny_random_model
 
 ROOT = Path(__file__).resolve().parent.parent
 REQUIRED_KEYS = {"step", "loss", "reward_mean", "turn1/correct", "turn1/speedup", "turn2/correct", "turn2/speedup",
@@ -46,7 +47,7 @@ def solution_generator(tasks):
             text = tok.decode(prompts[i])
             answer = next(a for code, a in answers if code in text)
             ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-            outs[i] = GenOutput(ids, recompute_logprobs(model, prompts[i], ids, gcfg.temperature).tolist(), True)
+            outs[i] = GenOutput(ids, full_forward_logprobs(model, prompts[i], ids, gcfg).tolist(), True)
         return outs
 
     return gen

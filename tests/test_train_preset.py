@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from drkernel import sft, trainer
-from drkernel.config import parse_config, record_settings
+from drkernel.config import parse_config
+from drkernel.runtime import record_settings
 from drkernel.sft import SFTConfig
 from drkernel.trainer import TrainConfig
 

@@ -14,11 +14,12 @@ import torch
 from drkernel.advantages import compute_advantages
 from drkernel.evaluator import EvalResult
 from drkernel.generation import GenOutput
-from drkernel.modeling import tiny_random_model
 from drkernel.rewards import score
 from drkernel.rollout import EvaluatorFailure, TurnSample
 from drkernel.tasks import load_bundled
-from drkernel.trainer import TrainConfig, Trainer, update_samples, void_turns
+from drkernel.trainer import (RolloutCost, StepReport, TrainConfig, Trainer, TurnFlags, TurnRecord, step_metrics,
+                              update_samples, void_turns)
+from tests.tiny_lm import tiny_random_model
 
 pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 CODE = "```python\nclass ModelNew(nn.Module):\n    pass\n```"
@@ -259,3 +260,29 @@ def test_resume_auto_continues_the_newest_checkpoint_and_old_ones_rotate_out(tin
     fresh = trainer(4, resume_from=None)  # no resume: a fresh start at step 0
     assert fresh.step == 0
     fresh.close()
+
+
+def test_the_step_metrics_count_every_process_turn_and_the_slowest_phase():
+    """Rates over the turns of every process's report, each phase's seconds from the slowest
+    process, counts summed; then the update's own metrics."""
+    def turn(reward, result, finished=True):
+        return TurnSample("0_1", 0, 0, 1, [], [5, 6, 7], [], "", None, result, reward, finished)
+
+    kept = TurnFlags(void=False, failed_trajectory=False, prs_keep=True, masked=False, in_baseline=True, in_loss=True)
+    rank0 = StepReport([TurnRecord(turn(1.0, ok(speedup=2.0)), kept, 0.5),
+                        TurnRecord(turn(0.0, bad(), finished=False),
+                                   dataclasses.replace(kept, prs_keep=False, in_loss=False), -0.5)],
+                       RolloutCost(rollout_s=3.0, generate_s=2.0, evaluate_s=1.0, n_evaluated=2, n_cached=1),
+                       update_s=4.0)
+    rank1 = StepReport([TurnRecord(turn(0.0, bad()), dataclasses.replace(kept, void=True, in_baseline=False,
+                                                                         in_loss=False), 0.0)],
+                       RolloutCost(rollout_s=5.0, generate_s=1.0, evaluate_s=3.0, n_evaluated=2, n_cached=0),
+                       update_s=2.0)
+    m = step_metrics([rank0, rank1], {"loss": 0.25, "update_tokens": 80.0, "grad_norm": 1.0}, lr=1e-6)
+    third = pytest.approx(1 / 3)
+    assert m["reward_mean"] == third and m["correct"] == third and m["fast_1"] == third
+    assert m["prs_reject_rate"] == m["void_turn_rate"] == m["baseline_drop_rate"] == m["truncated_rate"] == third
+    assert m["in_loss_rate"] == third and m["advantage_abs_mean"] == third and m["outcome_mask_rate"] == 0.0
+    assert (m["generate_s"], m["evaluate_s"], m["rollout_s"], m["update_s"]) == (2.0, 3.0, 5.0, 4.0)
+    assert m["n_evaluated"] == 4 and m["eval_cache_hit_rate"] == 0.25 and m["gen_tokens"] == 9
+    assert m["update_tokens_per_s"] == 20.0 and (m["loss"], m["grad_norm"], m["lr"]) == (0.25, 1.0, 1e-6)

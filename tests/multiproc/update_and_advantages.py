@@ -8,8 +8,8 @@ import torch
 from accelerate import Accelerator
 
 from drkernel.advantages import compute_advantages
-from drkernel.modeling import tiny_random_model
 from drkernel.trainer import TrainConfig, UpdateSample, policy_update
+from tests.tiny_lm import tiny_random_model
 
 
 def main(out_path: str) -> None:
