@@ -7,7 +7,8 @@
 #   hacks       every hack, legit, fault and attack fixture through the evaluator (bench/hacks.py)
 #   neighbours  4 honest kernels alone, then beside a hostile one with 4 runners (bench/neighbours.py)
 #   ref_self    the reference against itself: 20 repeats of the launch-bound MobileNetV1/V2 and
-#               ResNet18, then every level-1-3 problem once (bench/ref_self.py)
+#               ResNet18, then every level-1-3 problem once (bench/ref_self.py; REF_SELF_S seconds,
+#               REF_SELF_ARGS passed on, e.g. "--repeats 0 --levels 2,3", REF_SELF_TAG names the JSON)
 #   solutions_eager, solutions_compile  bench/solutions against the eager or the torch.compile
 #               baseline (bench/evaluator.py)
 #   throughput_full  candidates a minute on the full-size mixed set, 1 and N runners (FULL_WORKERS
@@ -15,7 +16,8 @@
 #   throughput_rl    candidates a minute on the RL-shaped batch, 8 problems x 16 candidates, N runners
 #   rl_step     one RL step whose responses are replayed candidates, so the trainer's own evaluator
 #               judges 64 real kernels with N runners; time per phase (bench/rl_step.py --policy replay)
-#   cli         the evaluator CLI's wall time for one level-1 evaluation, three times
+#   cli         the evaluator CLI's wall time for one level-1 evaluation, three times; then where
+#               the time goes (import and CUDA start-up times, one run under cProfile)
 #   costs       the judge's per-call costs on real sizes (bench/judge_costs.py)
 # After the call each $OUT/<name>.json replaces bench/results/<name>_h200.json, and its headline
 # numbers go on top of that benchmark's history table in docs/benchmarks.md.
@@ -31,7 +33,8 @@ for stage in ${STAGES:-hacks neighbours ref_self solutions_eager solutions_compi
     hacks) timeout 300 python bench/hacks.py --kernelbench "$KB" --out "$OUT/hacks.json" 2>&1 | tail -80 ;;
     neighbours) timeout 180 python bench/neighbours.py --kernelbench "$KB" --workers 4 \
         --out "$OUT/neighbours.json" 2>&1 | tail -12 ;;
-    ref_self) timeout 420 python bench/ref_self.py --kernelbench "$KB" --out "$OUT/ref_self.json" 2>&1 | tail -40 ;;
+    ref_self) timeout "${REF_SELF_S:-420}" python bench/ref_self.py --kernelbench "$KB" ${REF_SELF_ARGS:-} \
+        --out "$OUT/ref_self${REF_SELF_TAG:-}.json" 2>&1 | tail -40 ;;
     solutions_eager) timeout 150 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
         --out "$OUT/solutions_eager.json" 2>&1 | tail -20 ;;
     solutions_compile) timeout 240 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
@@ -48,7 +51,12 @@ open('/tmp/ref.py', 'w').write(next(t for t in l('$KB', 1) if t.problem_id == 19
         for i in 1 2 3; do
             /usr/bin/time -f "cli wall %e s" python -m drkernel.evaluator --reference /tmp/ref.py \
                 --candidate bench/solutions/level1_19_ReLU.py --json 2>&1 | tail -2
-        done ;;
+        done
+        python -c "import time; t = time.perf_counter(); import torch; a = time.perf_counter(); import triton
+b = time.perf_counter(); torch.zeros(1, device='cuda'); c = time.perf_counter()
+print(f'import torch {a - t:.2f} s, import triton {b - a:.2f} s, CUDA context {c - b:.2f} s')"
+        python -m cProfile -s cumtime -m drkernel.evaluator --reference /tmp/ref.py \
+            --candidate bench/solutions/level1_19_ReLU.py 2>&1 | grep -v "^{" | head -45 ;;
     costs) timeout 60 python bench/judge_costs.py --kernelbench "$KB" --problems 1:19,1:36,2:12 \
         --json "$OUT/judge_costs.json" 2>&1 | tail -8 ;;
     esac

@@ -275,12 +275,13 @@ def dedupe(pairs: Sequence[Pair]) -> tuple[list[Pair], list[int]]:
 
 def evaluate_cached(pairs: Sequence[tuple[str, str]], cfg: EvalConfig,
                     evaluate_uncached: Callable[[list[tuple[str, str]]], list[EvalResult]],
-                    cache: EvalCache | None = None) -> list[EvalResult]:
+                    cache: EvalCache | None = None, env: Mapping[str, str] | None = None) -> list[EvalResult]:
     """Results for (reference code, candidate code) `pairs`, in order: identical pairs are
     evaluated once, cached results are reused (stored without a reward: the caller scores every
     result), the rest go to `evaluate_uncached` in one call and are stored.
-    With `cache=None` this only dedupes and stamps. Duplicates get independent copies."""
-    env = fingerprint(cfg.device)
+    With `cache=None` this only dedupes and stamps. Duplicates get independent copies. `env` is
+    `fingerprint(cfg.device)`, taken here when not given."""
+    env = env or fingerprint(cfg.device)
     unique, index_map = dedupe(list(pairs))
     keys = [cache_key(ref, cand, cfg, env) for ref, cand in unique]
     found = [cache.get(k) if cache is not None else None for k in keys]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from drkernel.evaltypes import HACK_CODES, VERDICTS, EvalConfig, EvalResult  # noqa: F401 (re-exported)
-from drkernel import confine, evalcache, judge, rewards, runner
+from drkernel import confine, evalcache, rewards
 from drkernel.channel import cuda_fault, short
 from drkernel.confine import hidden_dirs
 from drkernel.gpushare import MemoryLedger
@@ -183,8 +183,11 @@ def _limits(cfg: EvalConfig, jobs: int = 1):
 
 # What the fork server imports once, so that no evaluation pays for it: torch._dynamo and
 # torch.profiler are imported by every child before its integrity snapshot (see step 4); the
-# judge's comparison kernels are decorated once here.
-_PRELOAD = ("torch", "triton", "torch._dynamo", "torch.profiler", "drkernel.compare_kernels")
+# judge's comparison kernels are decorated once here. The parent names the jobs' functions
+# (below) without importing them, so it never loads torch for the judge's sake.
+_PRELOAD = ("torch", "triton", "torch._dynamo", "torch.profiler", "drkernel.compare_kernels",
+            "drkernel.judge", "drkernel.runner")
+_JUDGE, _RUNNER, _PREFLIGHT = "drkernel.judge:evaluate", "drkernel.runner:main", "drkernel.runner:preflight"
 
 
 class _Prepared:
@@ -409,6 +412,8 @@ class Evaluator:
         n = per_gpu * max(1, len(gpus)) if workers is None else workers
         per_env = [{"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} for i in range(n)] if len(gpus) > 1 else None
         self.pool = SandboxPool(n, env, per_env, preload=_PRELOAD)
+        # taken while the fork servers start (it imports torch here): the two overlap
+        self.environment = evalcache.fingerprint(self.cfg.device)
         if self.cfg.require_confinement:
             self._check_confinement()
         self.cache = None
@@ -437,7 +442,7 @@ class Evaluator:
     def evaluate_many(self, pairs) -> list[EvalResult]:
         """Results in the order of `pairs` ((reference, candidate): paths or source)."""
         texts = [(_text(r), _text(c)) for r, c in pairs]
-        results = evalcache.evaluate_cached(texts, self.cfg, self._run, self.cache)
+        results = evalcache.evaluate_cached(texts, self.cfg, self._run, self.cache, self.environment)
         for r in results:  # the reward, scored here once, with this caller's weights, fresh or cached
             r.reward = None
             rewards.score(r, self.reward_config)
@@ -487,7 +492,7 @@ class Evaluator:
 
     def _preflight(self, prep: "_Prepared") -> EvalResult | None:
         """The GPU-less pre-flight import; its verdict when it already decides."""
-        pre = self.pool.run(runner.preflight, {"candidate_path": prep.cand_path, "hidden": hidden_dirs()},
+        pre = self.pool.run(_PREFLIGHT, {"candidate_path": prep.cand_path, "hidden": hidden_dirs()},
                             limits=_limits(self.cfg), env={"CUDA_VISIBLE_DEVICES": ""})
         early = _preflight_verdict(pre)
         if early is not None:
@@ -505,7 +510,7 @@ class Evaluator:
             start = time.monotonic()
             kwargs = {"reference_path": todo[0].ref_path, "candidate_paths": [p.cand_path for p in todo],
                       "config": dataclasses.asdict(self.cfg), "exclusive": exclusive, "defer": defer}
-            res = self.pool.run(judge.evaluate, kwargs, runners=[runner.main] * (1 + len(todo)),
+            res = self.pool.run(_JUDGE, kwargs, runners=[_RUNNER] * (1 + len(todo)),
                                 limits=_limits(self.cfg, jobs=1 + len(todo)))
             judged = iter(_map_group(res, len(todo)))
             for k, run in enumerate(runs):
@@ -674,8 +679,9 @@ def _parse(argv: list[str]) -> _Command:
     """The command line, checked; `_UsageError` (its message already on stderr) when it is unusable."""
     p = _parser()
     a = p.parse_args(argv)
-    try:
-        device = resolve_device(a.device)
+    try:  # `auto` is left to the judge, which asks torch itself: importing torch here would add
+        # seconds before the fork server even starts
+        device = a.device if a.device == "auto" else resolve_device(a.device)
     except ValueError as exc:
         p.error(str(exc))
     for flag, path in (("--reference", a.reference), ("--candidate", a.candidate)):

@@ -533,7 +533,8 @@ def _zygote_main() -> None:
     while True:
         msg = _recv(rfd)
         if msg is None or msg.get("op") == "exit":
-            return
+            sys.stderr.flush()
+            os._exit(0)  # no interpreter teardown: torch's and triton's exit hooks cost half a second
         if msg.get("op") == "ping":
             _send(wfd, {"op": "pong"})
             continue

@@ -144,3 +144,16 @@ def test_real_cpu_evaluation_through_the_cli(capsys):
     result = last_json(capsys.readouterr().out)
     assert result["verdict"] in VERDICTS and result["device"] == "cpu"
     assert result["wall_s"] is not None and math.isfinite(result["wall_s"])
+
+
+def test_cli_parent_leaves_torch_to_the_fork_server():
+    """Importing the CLI and parsing a default command line (device auto) import no torch: in the
+    parent that import would come before the fork server starts, seconds of the CLI's wall time."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from drkernel import evaluator as e; "
+            f"cmd = e._parse({FILES!r}); print(cmd.cfg.device, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["auto", "False"]
