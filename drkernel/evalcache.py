@@ -92,7 +92,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine() or UNKNOWN
 
 
-def _uses_gpu(device: str) -> bool:
+def uses_gpu(device: str) -> bool:
     """`auto` as the evaluator's child resolves it, decided without touching CUDA: a GPU when
     nvidia-smi lists one, or when NVIDIA device files exist without nvidia-smi (then the GPU
     stays `unknown` and nothing is cached)."""
@@ -111,7 +111,7 @@ def fingerprint(device: str) -> dict[str, str]:
     import torch
 
     env = {"torch": torch.__version__, "triton": _package_version("triton")}
-    if not _uses_gpu(device):
+    if not uses_gpu(device):
         return {"device": "cpu", "cpu": _cpu_model(), **env}
     rows = _nvidia_smi() or ()
     names = sorted({name for name, _ in rows})

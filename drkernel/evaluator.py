@@ -115,13 +115,14 @@ def _sandbox_env(device: str) -> dict:
 
 
 def _cuda_available_parent() -> bool:
-    # only asks when torch is already imported here; never initialises CUDA in the parent
+    # asks torch only when it is already imported here (the CLI starts its fork servers before
+    # importing it); never initialises CUDA in the parent
     if "torch" in sys.modules:
         try:
             return bool(sys.modules["torch"].cuda.is_available())
         except Exception:
             return False
-    return shutil.which("nvidia-smi") is not None
+    return evalcache.uses_gpu("auto")
 
 
 def _map_status(res: Any) -> EvalResult:
