@@ -353,10 +353,7 @@ def verify(j: Judge, c: Call, label: str, code: str = "output_cached") -> None:
 
 def setup(r: Reference) -> None:
     import torch
-    dev = r.cfg.device
-    if dev == "auto":
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-    r.device = torch.device(dev)
+    r.device = torch.device(_auto_device(r.cfg.device, torch.cuda.is_available()))
     if r.cuda:
         if not torch.cuda.is_available():
             raise Stop("runtime_error", "CUDA requested but not available")
@@ -387,6 +384,21 @@ def setup(r: Reference) -> None:
         ref_out, r.ref_mutates = _first_reference_run(r, warm)
     _plan_arena(r, warm, ref_out)
     r.mark("setup")
+
+
+def _auto_device(device: str, cuda_available: bool) -> str:
+    """`auto` as torch sees it here. The evaluator chose GPU or Triton's interpreter for this job
+    before torch was imported (nvidia-smi); a GPU host whose torch lacks CUDA would otherwise fail
+    every Triton candidate as its own runtime_error."""
+    if device != "auto":
+        return device
+    if cuda_available:
+        return "cuda"
+    if not os.environ.get("TRITON_INTERPRET"):
+        raise Stop("runtime_error", "device auto: nvidia-smi lists a GPU but this torch has no CUDA "
+                   "(torch.cuda.is_available() is False); use --device cpu (Triton's interpreter) "
+                   "or a CUDA build of torch")
+    return "cpu"
 
 
 def _init_runner(r: Reference, channel: Channel, candidate: str) -> None:

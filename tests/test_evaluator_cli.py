@@ -157,3 +157,25 @@ def test_cli_parent_leaves_torch_to_the_fork_server():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["auto", "False"]
+
+
+def test_auto_on_a_gpu_host_whose_torch_lacks_cuda_says_so(tmp_path):
+    """nvidia-smi lists a GPU, torch has no CUDA: with device auto the fork servers start without
+    Triton's interpreter, so the judge names the mismatch instead of failing the candidate's kernels."""
+    import os
+    import stat
+    import subprocess
+    import sys
+
+    smi = tmp_path / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 580.00'\n")
+    smi.chmod(smi.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{smi.parent}:{os.environ['PATH']}"}
+    env.pop("TRITON_INTERPRET", None)
+    args = [*FILES, "--trials", "1", "--second_distribution", "false", "--cache_dir", str(tmp_path / "c"), "--json"]
+    out = subprocess.run([sys.executable, "-m", "drkernel.evaluator", *args], capture_output=True, text=True,
+                         cwd=ROOT, env=env, timeout=300)
+    result = last_json(out.stdout)
+    assert result["verdict"] == "runtime_error", out.stderr
+    assert "nvidia-smi lists a GPU" in result["error"]
