@@ -35,7 +35,7 @@ for stage in ${STAGES:-hacks neighbours ref_self solutions_eager solutions_compi
         --out "$OUT/neighbours.json" 2>&1 | tail -12 ;;
     ref_self) timeout "${REF_SELF_S:-420}" python bench/ref_self.py --kernelbench "$KB" ${REF_SELF_ARGS:-} \
         --out "$OUT/ref_self${REF_SELF_TAG:-}.json" 2>&1 | tail -40 ;;
-    solutions_eager) timeout 150 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
+    solutions_eager) timeout 210 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
         --out "$OUT/solutions_eager.json" 2>&1 | tail -20 ;;
     solutions_compile) timeout 240 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
         --baseline compile --out "$OUT/solutions_compile.json" 2>&1 | tail -20 ;;

@@ -3,7 +3,7 @@ candidate, whose speedup must come out ~1.0 on every problem, launch-bound ones 
 
 `--repeat` problems `--repeats` times each (default: MobileNetV1, MobileNetV2 and ResNet18, 20 times, the
 launch-bound models whose numbers were noise), then every problem of `--levels` once (default all
-three: 250 problems), one level at a time, the JSON rewritten after each part. All through one `Evaluator.evaluate_many` per part,
+three: 250 problems), in parts of 20 problems, the JSON rewritten after each part (and after each repeated problem). All through one `Evaluator.evaluate_many` per part,
 with `--workers` runners per GPU (default: the evaluator's own choice). Prints a table per problem
 and the summary the issue asks for: the median speedup, how many lie in [0.95, 1.05], the worst;
 writes JSON (`--out`).
@@ -30,6 +30,7 @@ from drkernel.tasks import load_kernelbench  # noqa: E402
 
 BAND = (0.95, 1.05)
 LAUNCH_BOUND = ("MobileNetV1", "MobileNetV2", "ResNet18")
+CHUNK = 20  # problems per evaluate_many of the every-problem part
 
 
 def run(tasks: list, cfg: EvalConfig, workers: int | None) -> tuple[list, float]:
@@ -67,12 +68,28 @@ def print_table(title: str, rows: list[dict], s: dict, wall: float) -> None:
               f"ref {r['ref_ms'] or 0:8.3f} ms{flag}")
     med = s["median"]
     print(f"median {med:.4f}, {s['in_band']}/{s['timed']} in {list(BAND)}, worst {s['worst']}; "
-          f"not correct: {len(s['not_correct'])}" if med else "no speedups")
+          f"not correct: {len(s['not_correct'])}" if med else "no speedups", flush=True)
 
 
 def save(out: dict, path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1, default=str))
+
+
+def run_repeats(picked: list, args: argparse.Namespace, cfg: EvalConfig, out: dict) -> None:
+    """`args.repeats` evaluations of each picked problem, one problem at a time, saved after each."""
+    rows, wall = [], 0.0
+    for task in picked:
+        results, task_wall = run([task] * args.repeats, cfg, args.workers or None)
+        rows, wall = rows + rows_of([task] * args.repeats, results), wall + task_wall
+        names = dict.fromkeys(r["name"] for r in rows)
+        out["repeats"] = {"rows": rows, "wall_s": wall,
+                          "per_problem": {n: summary([r for r in rows if r["name"] == n]) for n in names}}
+        s = out["repeats"]["per_problem"][task.name]
+        print(f"{task.name}: {s['in_band']}/{s['timed']} in {list(BAND)}, median {s['median']}, "
+              f"worst {s['worst']}, {task_wall:.0f} s", flush=True)
+        save(out, args.out)
+    print_table(f"{args.repeats} repeats of {', '.join(t.name for t in picked)}", rows, summary(rows), wall)
 
 
 def main() -> int:
@@ -93,23 +110,18 @@ def main() -> int:
     every = [t for lvl in (1, 2, 3) for t in load_kernelbench(args.kernelbench, lvl)]
     picked = [next(t for t in every if k in t.name) for k in keys]
     if picked and args.repeats:  # first: the launch-bound models are where timing was noise
-        reps = [t for t in picked for _ in range(args.repeats)]
-        results, wall = run(reps, cfg, args.workers or None)
-        rows = rows_of(reps, results)
-        out["repeats"] = {"rows": rows, "wall_s": wall, "per_problem": {
-            t.name: summary([r for r in rows if r["name"] == t.name]) for t in picked}}
-        print_table(f"{args.repeats} repeats of {', '.join(keys)}", rows, summary(rows), wall)
-        for name, s in out["repeats"]["per_problem"].items():
-            print(f"{name}: {s['in_band']}/{s['timed']} in {list(BAND)}, median {s['median']}")
-        save(out, args.out)
+        run_repeats(picked, args, cfg, out)
     rows, wall = [], 0.0
-    for level in levels:  # one level at a time, saved after each, so a cut run keeps what it measured
+    for level in levels:  # in parts of CHUNK problems, saved after each, so a cut run keeps what it measured
         tasks = [t for t in load_kernelbench(args.kernelbench, level)][: args.limit or None]
-        results, level_wall = run(tasks, cfg, args.workers or None)
-        rows, wall = rows + rows_of(tasks, results), wall + level_wall
-        out["all"] = {"rows": rows, "summary": summary(rows), "wall_s": wall, "levels_done": levels[: levels.index(level) + 1]}
-        print_table(f"level {level} once", rows_of(tasks, results), summary(rows_of(tasks, results)), level_wall)
-        save(out, args.out)
+        for start in range(0, len(tasks), CHUNK):
+            part = tasks[start:start + CHUNK]
+            results, part_wall = run(part, cfg, args.workers or None)
+            rows, wall = rows + rows_of(part, results), wall + part_wall
+            out["all"] = {"rows": rows, "summary": summary(rows), "wall_s": wall}
+            print_table(f"level {level}, problems {start + 1}-{start + len(part)}", rows_of(part, results),
+                        summary(rows_of(part, results)), part_wall)
+            save(out, args.out)
     if rows:
         print_table("every problem once", rows, out["all"]["summary"], wall)
     return 0
