@@ -8,7 +8,8 @@
 #   neighbours  4 honest kernels alone, then beside a hostile one with 4 runners (bench/neighbours.py)
 #   ref_self    the reference against itself: 20 repeats of the launch-bound MobileNetV1/V2 and
 #               ResNet18, then every level-1-3 problem once (bench/ref_self.py; REF_SELF_S seconds,
-#               REF_SELF_ARGS passed on, e.g. "--repeats 0 --levels 2,3", REF_SELF_TAG names the JSON)
+#               REF_SELF_ARGS passed on, e.g. "--repeats 0 --levels 2,3" or "--levels none", REF_SELF_TAG
+#               names the JSON)
 #   solutions_eager, solutions_compile  bench/solutions against the eager or the torch.compile
 #               baseline (bench/evaluator.py)
 #   throughput_full  candidates a minute on the full-size mixed set, 1 and N runners (FULL_WORKERS

@@ -95,7 +95,7 @@ def run_repeats(picked: list, args: argparse.Namespace, cfg: EvalConfig, out: di
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernelbench", default="../shared/kernelbench")
-    ap.add_argument("--levels", default="1,2,3")
+    ap.add_argument("--levels", default="1,2,3", help="levels whose every problem runs once; none: only the repeats")
     ap.add_argument("--limit", type=int, default=0, help="at most this many problems per level (0: all)")
     ap.add_argument("--repeat", default=",".join(LAUNCH_BOUND), help="name substrings of problems to repeat")
     ap.add_argument("--repeats", type=int, default=20)
@@ -103,7 +103,7 @@ def main() -> int:
     ap.add_argument("--baseline", default="eager")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "ref_self.json"))
     args = ap.parse_args()
-    levels = [int(x) for x in args.levels.split(",") if x]
+    levels = [] if args.levels == "none" else [int(x) for x in args.levels.split(",") if x]
     cfg = EvalConfig(device="cuda", require_triton=False, baseline=args.baseline)
     out = {"config": vars(args)}
     keys = [k for k in args.repeat.split(",") if k]
