@@ -137,14 +137,30 @@ def test_clock_rule_allows_what_the_reference_itself_shows_on_host_bound_models(
     assert j.out.hacks == ["side_stream"]
 
 
-def test_reference_slowed_rule():
+def test_reference_slowed_rule(monkeypatch):
+    """Slower next to the candidate than alone before it: a hack only if the reference, re-timed
+    alone once the GPU is idle, is fast again (what the candidate left running is gone); a
+    host-bound reference whose own time moved with the host stays slow and is not a hack."""
+    retimed = []
+    monkeypatch.setattr(judge, "_twin_ms", lambda r, seed: (retimed[0], retimed[0] + 0.2))
     j = _judge()
     j.ref.ref_alone_ms, j.out.ref_ms = 2.0, 2.5
-    judge._check_reference_slowed(j)
+    judge._check_reference_slowed(j)  # within 1.5x
+    assert "ref_ms_retimed" not in j.details
     j.out.ref_ms = 3.5
+    retimed.append(3.3)  # the host, not the candidate: still slow alone
+    judge._check_reference_slowed(j)
+    assert not j.out.hacks and j.details["ref_ms_retimed"] == pytest.approx(3.3)
+    retimed[0] = 2.0  # fast again once the candidate's leftovers drained
     with pytest.raises(judge.Hacked):
         judge._check_reference_slowed(j)
     assert j.out.hacks == ["reference_slowed"]
+    j = _judge()
+    j.ref.ref_alone_ms, j.out.ref_ms, j.ref.gpu = 2.0, 3.5, object()
+    retimed[0] = 3.3
+    monkeypatch.setattr(judge, "_wait_idle", lambda r: False)  # what it left never drains
+    with pytest.raises(judge.Hacked):
+        judge._check_reference_slowed(j)
 
 
 def test_roofline_retimes_and_keeps_the_slower_median(monkeypatch):
