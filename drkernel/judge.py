@@ -876,7 +876,7 @@ def _accepted_ms(j: Judge, events: list[float], walls: list[float]) -> float:
     events (another stream or thread) or a forged timer: flagged, and the judge's clock minus the
     overhead counts instead."""
     cand = median(events)
-    extra = median([w - e for w, e in zip(walls, events)]) - j.ref.overhead_ms
+    extra = _clock_excess(j.ref, events, walls)
     honest = j.honest_extra * cand
     slack = max(j.cfg.clock_slack_ms if j.ref.cuda else j.cfg.cpu_clock_slack_ms, j.cfg.clock_slack_frac * cand)
     j.details["clock_extra_ms"] = extra
@@ -892,8 +892,12 @@ def _honest_extra(j: Judge, ref_ms: list[float], ref_walls: list[float]) -> floa
     """What the judge's clock adds to the reference's own calls beyond the calibrated overhead, per
     ms of the reference's time, measured interleaved with the candidate: the same runner code
     shows it for an honest copy; scaled by the candidate's own time, a forged short time shrinks it."""
-    extra = median([w - e for w, e in zip(ref_walls, ref_ms)]) - j.ref.overhead_ms
-    return max(0.0, extra) / max(median(ref_ms), 1e-9)
+    return max(0.0, _clock_excess(j.ref, ref_ms, ref_walls)) / max(median(ref_ms), 1e-9)
+
+
+def _clock_excess(r: Reference, own_ms: list[float], walls: list[float]) -> float:
+    """The median ms per call this clock saw beyond a process's own time and the calibrated overhead."""
+    return median([w - e for w, e in zip(walls, own_ms)]) - r.overhead_ms
 
 
 def speedup_interval(ref_ms: list[float], cand_ms: list[float], seed: int, n: int = 200) -> tuple[float, float]:
@@ -968,8 +972,8 @@ def _record_speed(j: Judge, ref_ms: list[float], events: list[float], walls: lis
 
 def _check_reference_slowed(j: Judge) -> None:
     """Something the candidate left running on the GPU slows the reference it is compared to. A
-    host-bound reference's own time also moves with the host's state between phases (1.7x seen
-    on an H100 for MobileNetV2), so a slowdown counts only if it is gone once the GPU is idle
+    host-bound reference's own time also moves with the host's state between phases, by more
+    than the limit at times, so a slowdown counts only if it is gone once the GPU is idle
     again: the reference is then re-timed alone and must be faster than next to the candidate (a
     GPU that never gets idle is the candidate's doing: other jobs wait while this one holds it)."""
     r = j.ref
