@@ -52,8 +52,14 @@ def _row(label: str, results: list) -> dict:
                 spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)
 
 
-def one_at_a_time(cases: list, base: dict, repeats: int) -> list[dict]:
-    """Each case alone on the GPU, `repeats` times (wall: the caller's clock around one evaluation)."""
+def _save(out: str, rows: list[dict]) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(rows, indent=1))
+
+
+def one_at_a_time(cases: list, base: dict, repeats: int, out: str) -> list[dict]:
+    """Each case alone on the GPU, `repeats` times (wall: the caller's clock around one evaluation);
+    the JSON is rewritten after each case, so a run cut short keeps what it measured."""
     rows = []
     with Evaluator(EvalConfig(**base)) as strict, Evaluator(EvalConfig(**base, require_triton=False)) as loose:
         for label, task, code, allow_torch in cases:
@@ -65,6 +71,7 @@ def one_at_a_time(cases: list, base: dict, repeats: int) -> list[dict]:
                 results[-1].wall_s = time.perf_counter() - t0
             rows.append(_row(label, results))
             print(json.dumps(rows[-1]), flush=True)
+            _save(out, rows)
     return rows
 
 
@@ -112,10 +119,8 @@ def main() -> None:
     if args.workers > 1:
         rows = side_by_side(cases, EvalConfig(**base, require_triton=False), args.workers, args.repeats)
     else:
-        rows = one_at_a_time(cases, base, args.repeats)
-
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+        rows = one_at_a_time(cases, base, args.repeats, args.out)
+    _save(args.out, rows)
     print(f"\n{'case':58s} {'verdict':9s} {'ref_ms':>8s} {'cand_ms':>8s} {'speedup':>8s} {'spread':>7s} "
           f"{'share':>6s} {'wall_s':>7s}")
     for r in rows:

@@ -11,10 +11,14 @@
 #               REF_SELF_ARGS passed on, e.g. "--repeats 0 --levels 2,3" or "--levels none", REF_SELF_TAG
 #               names the JSON)
 #   solutions_eager, solutions_compile  bench/solutions against the eager or the torch.compile
-#               baseline (bench/evaluator.py)
+#               baseline (bench/evaluator.py; its JSON is rewritten after each solution; COMPILE_S
+#               seconds for the compile one, each of whose references is compiled first)
 #   throughput_full  candidates a minute on the full-size mixed set, 1 and N runners (FULL_WORKERS
 #               picks other counts) (bench/eval_throughput.py --set full)
 #   throughput_rl    candidates a minute on the RL-shaped batch, 8 problems x 16 candidates, N runners
+#               (its 1-runner pass, about 9 minutes, fits no call beside another: RL_WORKERS=1 RL_TAG=_serial
+#               in one call, then RL_BASELINE=<that JSON, copied into bench/results> in the next; RL_S
+#               seconds)
 #   rl_step     one RL step whose responses are replayed candidates, so the trainer's own evaluator
 #               judges 64 real kernels with N runners; time per phase (bench/rl_step.py --policy replay)
 #   cli         the evaluator CLI's wall time for one level-1 evaluation, three times; then where
@@ -41,12 +45,13 @@ for stage in ${STAGES:-hacks neighbours ref_self solutions_eager solutions_compi
         --out "$OUT/ref_self${REF_SELF_TAG:-}.json" 2>&1 | tail -40 ;;
     solutions_eager) timeout 210 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
         --out "$OUT/solutions_eager.json" 2>&1 | tail -20 ;;
-    solutions_compile) timeout 240 python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
+    solutions_compile) timeout "${COMPILE_S:-240}" python bench/evaluator.py --kernelbench "$KB" --n-ref 0 --repeats 1 \
         --baseline compile --out "$OUT/solutions_compile.json" 2>&1 | tail -20 ;;
     throughput_full) timeout 420 python bench/eval_throughput.py --kernelbench "$KB" --set full \
         --workers "${FULL_WORKERS:-1,$N}" --json "$OUT/eval_throughput_full.json" 2>&1 | tail -60 ;;
-    throughput_rl) timeout 300 python bench/eval_throughput.py --kernelbench "$KB" --set rl --workers "$N" \
-        --json "$OUT/eval_throughput_rl.json" 2>&1 | tail -40 ;;
+    throughput_rl) timeout "${RL_S:-300}" python bench/eval_throughput.py --kernelbench "$KB" --set rl \
+        --workers "${RL_WORKERS:-$N}" ${RL_BASELINE:+--baseline "$RL_BASELINE"} \
+        --json "$OUT/eval_throughput_rl${RL_TAG:-}.json" 2>&1 | tail -40 ;;
     rl_step) timeout 300 python bench/rl_step.py --tasks "$KB" --policy replay --steps 1 \
         --out "$OUT/rl_step_replay.json" -- --eval_workers "$N" 2>&1 | grep -v "it/s" | tail -16 ;;
     cli)

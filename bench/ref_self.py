@@ -97,6 +97,8 @@ def main() -> int:
     ap.add_argument("--kernelbench", default="../shared/kernelbench")
     ap.add_argument("--levels", default="1,2,3", help="levels whose every problem runs once; none: only the repeats")
     ap.add_argument("--limit", type=int, default=0, help="at most this many problems per level (0: all)")
+    ap.add_argument("--skip", type=int, default=0, help="leave out each level's first this many problems "
+                    "(to go on from a run cut short, whose JSON says how far it came)")
     ap.add_argument("--repeat", default=",".join(LAUNCH_BOUND), help="name substrings of problems to repeat")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--workers", type=int, default=0, help="runners per GPU (0: the evaluator's default)")
@@ -113,13 +115,14 @@ def main() -> int:
         run_repeats(picked, args, cfg, out)
     rows, wall = [], 0.0
     for level in levels:  # in parts of CHUNK problems, saved after each, so a cut run keeps what it measured
-        tasks = [t for t in load_kernelbench(args.kernelbench, level)][: args.limit or None]
+        tasks = load_kernelbench(args.kernelbench, level)[args.skip:][: args.limit or None]
         for start in range(0, len(tasks), CHUNK):
             part = tasks[start:start + CHUNK]
             results, part_wall = run(part, cfg, args.workers or None)
             rows, wall = rows + rows_of(part, results), wall + part_wall
             out["all"] = {"rows": rows, "summary": summary(rows), "wall_s": wall}
-            print_table(f"level {level}, problems {start + 1}-{start + len(part)}", rows_of(part, results),
+            first = args.skip + start + 1
+            print_table(f"level {level}, problems {first}-{first + len(part) - 1}", rows_of(part, results),
                         summary(rows_of(part, results)), part_wall)
             save(out, args.out)
     if rows:
