@@ -24,7 +24,7 @@
 #   cli         the evaluator CLI's wall time for one level-1 evaluation, three times; then where
 #               the time goes (import and CUDA start-up times, one run under cProfile)
 #   costs       the judge's per-call costs on real sizes (bench/judge_costs.py)
-# After the call each $OUT/<name>.json replaces bench/results/<name>_h200.json, and its headline
+# After the call each $OUT/<name>.json replaces bench/results/<name>_<card>.json (h200, h100), and its headline
 # numbers go on top of that benchmark's history table in docs/benchmarks.md.
 set -u
 export PYTHONUNBUFFERED=1
