@@ -52,9 +52,10 @@ def _row(label: str, results: list) -> dict:
                 spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)
 
 
-def _save(out: str, rows: list[dict]) -> None:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(rows, indent=1))
+def save_json(path: str, obj) -> None:
+    """`obj` as JSON at `path`, its folder made first (values JSON lacks written as text)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=1, default=str))
 
 
 def one_at_a_time(cases: list, base: dict, repeats: int, out: str) -> list[dict]:
@@ -71,7 +72,7 @@ def one_at_a_time(cases: list, base: dict, repeats: int, out: str) -> list[dict]
                 results[-1].wall_s = time.perf_counter() - t0
             rows.append(_row(label, results))
             print(json.dumps(rows[-1]), flush=True)
-            _save(out, rows)
+            save_json(out, rows)
     return rows
 
 
@@ -120,7 +121,7 @@ def main() -> None:
         rows = side_by_side(cases, EvalConfig(**base, require_triton=False), args.workers, args.repeats)
     else:
         rows = one_at_a_time(cases, base, args.repeats, args.out)
-    _save(args.out, rows)
+    save_json(args.out, rows)
     print(f"\n{'case':58s} {'verdict':9s} {'ref_ms':>8s} {'cand_ms':>8s} {'speedup':>8s} {'spread':>7s} "
           f"{'share':>6s} {'wall_s':>7s}")
     for r in rows:

@@ -14,7 +14,6 @@ writes JSON (`--out`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.evaluator import reference_as_candidate  # noqa: E402
+from bench.evaluator import reference_as_candidate, save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
 
@@ -71,11 +70,6 @@ def print_table(title: str, rows: list[dict], s: dict, wall: float) -> None:
           f"not correct: {len(s['not_correct'])}" if med else "no speedups", flush=True)
 
 
-def save(out: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(out, indent=1, default=str))
-
-
 def run_repeats(picked: list, args: argparse.Namespace, cfg: EvalConfig, out: dict) -> None:
     """`args.repeats` evaluations of each picked problem, one problem at a time, saved after each."""
     rows, wall = [], 0.0
@@ -88,7 +82,7 @@ def run_repeats(picked: list, args: argparse.Namespace, cfg: EvalConfig, out: di
         s = out["repeats"]["per_problem"][task.name]
         print(f"{task.name}: {s['in_band']}/{s['timed']} in {list(BAND)}, median {s['median']}, "
               f"worst {s['worst']}, {task_wall:.0f} s", flush=True)
-        save(out, args.out)
+        save_json(args.out, out)
     print_table(f"{args.repeats} repeats of {', '.join(t.name for t in picked)}", rows, summary(rows), wall)
 
 
@@ -124,7 +118,7 @@ def main() -> int:
             first = args.skip + start + 1
             print_table(f"level {level}, problems {first}-{first + len(part) - 1}", rows_of(part, results),
                         summary(rows_of(part, results)), part_wall)
-            save(out, args.out)
+            save_json(args.out, out)
     if rows:
         print_table("every problem once", rows, out["all"]["summary"], wall)
     return 0

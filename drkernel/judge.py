@@ -888,11 +888,11 @@ def _accepted_ms(j: Judge, events: list[float], walls: list[float]) -> float:
     return median([max(e, w - j.ref.overhead_ms - honest) for w, e in zip(walls, events)])
 
 
-def _honest_extra(j: Judge, ref_ms: list[float], ref_walls: list[float]) -> float:
+def _honest_extra(r: Reference, ref_ms: list[float], ref_walls: list[float]) -> float:
     """What the judge's clock adds to the reference's own calls beyond the calibrated overhead, per
     ms of the reference's time, measured interleaved with the candidate: the same runner code
     shows it for an honest copy; scaled by the candidate's own time, a forged short time shrinks it."""
-    return max(0.0, _clock_excess(j.ref, ref_ms, ref_walls)) / max(median(ref_ms), 1e-9)
+    return max(0.0, _clock_excess(r, ref_ms, ref_walls)) / max(median(ref_ms), 1e-9)
 
 
 def _clock_excess(r: Reference, own_ms: list[float], walls: list[float]) -> float:
@@ -925,7 +925,7 @@ def time_interleaved(j: Judge) -> None:
         for i in range(max(1, j.cfg.warmup)):
             call_candidate(j, r.seed + 200000 + i, "warm")
         ref_ms, ref_walls, events, walls = _timed_pairs(j)
-    j.honest_extra = _honest_extra(j, ref_ms, ref_walls)
+    j.honest_extra = _honest_extra(r, ref_ms, ref_walls)
     j.details["reference_clock_extra_per_ms"] = j.honest_extra
     _record_speed(j, ref_ms, events, walls)
     j.mark("timing")

@@ -125,14 +125,14 @@ def test_clock_rule_allows_what_the_reference_itself_shows_on_host_bound_models(
     show the same, so the copy is not a hack, while a forged short time still is."""
     j = _judge()
     j.ref.overhead_ms = 0.2
-    j.honest_extra = judge._honest_extra(j, [3.0] * 9, [3.0 + 0.2 + 0.6] * 9)  # 0.2 per ms of the reference
+    j.honest_extra = judge._honest_extra(j.ref, [3.0] * 9, [3.0 + 0.2 + 0.6] * 9)  # 0.2 per ms of the reference
     copy = judge._accepted_ms(j, [3.0] * 9, [3.0 + 0.2 + 0.65] * 9)
     assert copy == pytest.approx(3.0) and not j.out.hacks
     forged = judge._accepted_ms(j, [1.0] * 9, [3.0 + 0.2 + 0.65] * 9)  # the same work, claiming a third
     assert j.out.hacks == ["side_stream"] and forged == pytest.approx(3.0 + 0.65 - 0.2)
     j = _judge()
     j.ref.overhead_ms = 0.2
-    j.honest_extra = judge._honest_extra(j, [3.0] * 9, [3.0 + 0.2 + 0.01] * 9)  # a GPU-bound reference
+    j.honest_extra = judge._honest_extra(j.ref, [3.0] * 9, [3.0 + 0.2 + 0.01] * 9)  # a GPU-bound reference
     judge._accepted_ms(j, [3.0] * 9, [3.0 + 0.2 + 0.65] * 9)
     assert j.out.hacks == ["side_stream"]
 
