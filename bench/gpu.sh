@@ -16,7 +16,7 @@
 #   throughput_full  candidates a minute on the full-size mixed set, 1 and N runners (FULL_WORKERS
 #               picks other counts) (bench/eval_throughput.py --set full)
 #   throughput_rl    candidates a minute on the RL-shaped batch, 8 problems x 16 candidates, N runners
-#               (its 1-runner pass, about 9 minutes, fits no call beside another: RL_WORKERS=1 RL_TAG=_serial
+#               (its 1-runner pass, estimated at 9 minutes, fits no call beside another: RL_WORKERS=1 RL_TAG=_serial
 #               in one call, then RL_BASELINE=<that JSON, copied into bench/results> in the next; RL_S
 #               seconds)
 #   rl_step     one RL step whose responses are replayed candidates, so the trainer's own evaluator
