@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import platform
 import random
@@ -43,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.jsonfile import save_json  # noqa: E402
 from drkernel.advantages import compute_advantages  # noqa: E402
 from drkernel.evaluator import EvalResult  # noqa: E402
 from drkernel.loss import LossConfig, policy_loss  # noqa: E402
@@ -425,8 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         result["plots"] = plot({"gradients": result["gradients"], "lazy": result["lazy"],
                                 "mismatch": result["mismatch_runs"]}, args.plots)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        save_json(args.json, result)
     print_table(result)
     return 0 if math.isfinite(result["grpo_over_trloo_grad_ratio"]) else 1
 

@@ -19,6 +19,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.jsonfile import save_json  # noqa: E402
+
 LIMIT_S = 600.0  # the "under 10 minutes on a 2-core CPU"
 
 
@@ -59,8 +63,7 @@ def main() -> None:
         print(f"{name:<28} {'yes' if passed else 'NO'}")
     record = {"machine": f"{platform.node()} ({os.cpu_count()} cores, no GPU)", "wall_s": wall_s,
               "checks": ok, "steps": steps}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1))
+    save_json(args.out, record)
     print(f"wrote {args.out}")
     sys.exit(0 if all(ok.values()) else 1)
 

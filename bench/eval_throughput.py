@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from bench.candidates import (Candidate, all_candidates, bundled_task, composition, full_size_set,  # noqa: E402
                               mixed_set, rl_batch)
 from bench.evaluator import reference_as_candidate  # noqa: E402
+from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evalcache import fingerprint  # noqa: E402
 from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device  # noqa: E402
 
@@ -255,11 +256,6 @@ def summary(args, candidates: list[Candidate], passes: list[Pass], diffs: list[D
 
 # ----------------------------------------------------------------------------- main
 
-def write_json(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=repr))
-
-
 def default_kernelbench() -> str:
     local = ROOT / ".bench_data" / "kernelbench"
     return str(local if local.is_dir() else ROOT.parent / "shared" / "kernelbench")
@@ -317,7 +313,7 @@ def main(argv: list[str] | None = None) -> dict:
             passes.append(evaluate_pass(cfg, w, pairs, run_dir / f"workers{w}", "cold"))
             print(f"  {w} worker(s): {passes[-1].wall_s:.1f} s", flush=True)
             diffs = [d for p in passes[1:] for d in compare(passes[0], p, candidates)]
-            write_json(Path(args.json), summary(args, candidates, passes, diffs, []))  # kept if cut short
+            save_json(args.json, summary(args, candidates, passes, diffs, []))  # kept if cut short
         best = max(passes[1:] if args.baseline else passes, key=lambda p: p.per_minute)
         filled = run_dir / f"workers{passes[1].workers if args.baseline else 1}"
         passes.append(evaluate_pass(cfg, best.workers, pairs, filled, "warm"))
@@ -330,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         shutil.rmtree(run_dir if args.cache_dir else root, ignore_errors=True)
     out = Path(args.json)
-    write_json(out, result)
+    save_json(out, result)
     print(f"cache pass ({result['cache']['workers']} workers): {result['cache']['speedup_vs_best']:.1f}x the best "
           f"uncached pass, hit rate {result['cache']['hit_rate']:.2f}\nwrote {out}")
     return result

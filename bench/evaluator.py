@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
 
@@ -50,12 +51,6 @@ def _row(label: str, results: list) -> dict:
                 median_wall_s=statistics.median(walls), triton_time_share=last.triton_time_share,
                 phase_s=last.details.get("phase_s"), split_s=last.details.get("split_s"),
                 spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)
-
-
-def save_json(path: str, obj) -> None:
-    """`obj` as JSON at `path`, its folder made first (values JSON lacks written as text)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj, indent=1, default=str))
 
 
 def one_at_a_time(cases: list, base: dict, repeats: int, out: str) -> list[dict]:

@@ -31,6 +31,7 @@ export PYTHONUNBUFFERED=1
 # The device image's site-packages keeps no bytecode (each process compiled torch's 1,700 modules,
 # about 3 s); a pip install keeps it, so the figures here do too
 export PYTHONPYCACHEPREFIX=${PYTHONPYCACHEPREFIX:-/tmp/drkernel-pycache}
+unset PYTHONDONTWRITEBYTECODE  # where the image sets it, the prefix above stays empty
 OUT=${OUT:-bench/results}
 KB=${KB:-.bench_data/kernelbench}
 N=${N:-6}
@@ -62,6 +63,7 @@ open('/tmp/ref.py', 'w').write(next(t for t in l('$KB', 1) if t.problem_id == 19
                 --candidate bench/solutions/level1_19_ReLU.py --json 2>&1 | tail -2
         done
         env -u PYTHONPYCACHEPREFIX python -c "import torch, os; print('torch bytecode beside the source:', os.path.exists(torch.__cached__))"
+        python -c "import sys; print('bytecode written:', not sys.flags.dont_write_bytecode, 'prefix:', sys.pycache_prefix)"
         python -c "import time; t = time.perf_counter(); import torch; a = time.perf_counter(); import triton
 b = time.perf_counter(); torch.zeros(1, device='cuda'); c = time.perf_counter()
 print(f'import torch {a - t:.2f} s, import triton {b - a:.2f} s, CUDA context {c - b:.2f} s')"

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import headers  # noqa: E402
+from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
 from tests.fixtures.attacks import harness as attacks  # noqa: E402
@@ -91,8 +92,7 @@ def main() -> None:
                              error=(res.error or "")[:160], share=share, speedup=res.speedup,
                              kernels=res.kernels))
             print(json.dumps(rows[-1]), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+    save_json(args.out, rows)
     print(f"\n{'file':44s} {'dev':4s} {'expect':30s} {'verdict':14s} {'hacks':30s} ok")
     for r in rows:
         print(f"{r['file'][:44]:44s} {str(r['device'])[:4]:4s} {r['expect'][:30]:30s} {r['verdict']:14s} "

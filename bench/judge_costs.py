@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.jsonfile import save_json  # noqa: E402
 from drkernel import compare, judge  # noqa: E402
 from drkernel.channel import Channel  # noqa: E402
 from drkernel.evaluator import EvalConfig, resolve_device  # noqa: E402
@@ -64,15 +64,15 @@ def costs(code: str, device, repeats: int) -> dict[str, float]:
         j = _reference_for(code, device, workdir)
         cfg = j.cfg
         inputs = judge.gen_inputs(j, j.seed)
-        out = judge.run_reference(j, judge._clone(inputs))
-        ref = judge.run_reference(j, judge._clone(inputs))
+        out = judge.run_reference(j, judge._clone(inputs), j.seed)
+        ref = judge.run_reference(j, judge._clone(inputs), j.seed)
         row = {
             "io_gb": (compare.nbytes(compare.tensors(inputs)) + compare.nbytes(compare.tensors(out))) / 1e9,
             "gen_inputs": _timed(lambda: judge.gen_inputs(j, j.seed + 1), device, repeats),
             "gen_signed": _timed(lambda: judge.gen_inputs(j, j.seed + 2, signed=True), device, repeats),
             "clone_inputs": _timed(lambda: judge._clone(inputs), device, repeats),
             "new_reference": _timed(lambda: copy.deepcopy(j.template), device, repeats),
-            "reference_forward": _timed(lambda: judge.run_reference(j, judge._clone(inputs)), device, repeats),
+            "reference_forward": _timed(lambda: judge.run_reference(j, judge._clone(inputs), j.seed), device, repeats),
             "compare": _timed(lambda: compare.compare(out, ref, cfg), device, repeats),
             "degenerate": _timed(lambda: compare.degenerate(out, ref, inputs, cfg), device, repeats),
             "same_values": _timed(lambda: [compare.same_values(a, a) for a in compare.tensors(inputs)], device,
@@ -135,8 +135,7 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         result["first_call_ms"] = first_call_ms()
         print("comparison kernel in a fresh process, first and second call (ms):", result["first_call_ms"])
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1))
+    save_json(args.json, result)
     return result
 
 

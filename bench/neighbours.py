@@ -12,7 +12,6 @@ serial. Prints a table per honest kernel; writes JSON (`--out`); exits 1 unless 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import headers  # noqa: E402
+from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, EvalResult, Evaluator  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
 
@@ -79,8 +79,7 @@ def main() -> int:
     hostile = [{"file": n, "verdict": mixed[n].verdict, "hacks": mixed[n].hacks} for n, _, _ in hostile_pairs()]
     summary = {"serial_s": serial_s, "mixed_s": mixed_s, "workers": args.workers, "rows": rows, "hostile": hostile,
                "all_ok": all(r["ok"] for r in rows)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=1, default=str))
+    save_json(args.out, summary)
     print(f"{'honest kernel':28s} {'serial':>22s} {'beside hostile':>22s} {'drift':>7s} {'idle wait':>9s} ok")
     for r in rows:
         s, m = r["serial"], r["beside_hostile"]

@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.evaluator import reference_as_candidate, save_json  # noqa: E402
+from bench.evaluator import reference_as_candidate  # noqa: E402
+from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
 

@@ -41,7 +41,6 @@ import argparse
 import base64
 import collections
 import importlib.util
-import json
 import os
 import random
 import shutil
@@ -57,6 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import Candidate, all_candidates, by_task, composition, mixed_set  # noqa: E402
+from bench.jsonfile import save_json  # noqa: E402
 from bench.rollout import QWEN25_05B  # noqa: E402
 from drkernel.generation import GenOutput  # noqa: E402
 from drkernel.tasks import Task  # noqa: E402
@@ -220,11 +220,6 @@ def print_table(steps: list[dict], setup: dict[str, float]) -> None:
 
 # ----------------------------------------------------------------------------- main
 
-def write_json(path: Path, result: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-
-
 def default_tasks() -> str:
     local = ROOT / ".bench_data" / "kernelbench"
     return str(local if local.is_dir() else ROOT.parent / "shared" / "kernelbench")
@@ -337,7 +332,7 @@ def main(argv=None) -> int:
                                              "update_tokens_per_s", "update_samples", "n_evaluated",
                                              "peak_mem_gib", "loss", "grad_norm", "reward_mean")}})
                 print(f"  step {trainer.step} done in {m['step_s']:.1f}s", file=sys.stderr, flush=True)
-                write_json(Path(args.out), result)  # a call cut short still leaves the steps it finished
+                save_json(args.out, result)  # a call cut short still leaves the steps it finished
         finally:
             trainer.close()
 

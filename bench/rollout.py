@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.jsonfile import save_json  # noqa: E402
 from bench.qwen2 import random_model  # noqa: E402
 from drkernel.generation import GenerationConfig, generate  # noqa: E402
 
@@ -188,10 +189,8 @@ def main(argv=None) -> int:
             continue
         rel = r["tokens_per_s"] / base if base else float("nan")
         print(f"{r['method']:<32}{r['tokens_per_s']:>12.1f}{r['seconds']:>10.3f}{rel:>12.2f}x")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    save_json(args.out, result)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.jsonfile import save_json  # noqa: E402
 from drkernel.modeling import enable_gradient_checkpointing  # noqa: E402
 from drkernel.sft import SFTLoss, sft_step  # noqa: E402
 
@@ -185,8 +186,7 @@ def main(argv=None) -> int:
         mem = f"{r['peak_mem_gib']:.1f}" if r["peak_mem_gib"] is not None else "-"
         print(f"{r['variant']:38s} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {100 * r['mfu']:5.1f}% "
               f"{mem:>9s} {r['loss_first']:7.3f}→{r['loss_last']:7.3f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"info": info, "results": rows}, indent=1))
+    save_json(args.out, {"info": info, "results": rows})
     print(f"wrote {args.out}")
     return 0 if any(not r.get("error") for r in rows) else 1
 

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.jsonfile import save_json  # noqa: E402
 from bench.qwen2 import random_model  # noqa: E402
 from drkernel import modeling  # noqa: E402
 from drkernel.trainer import TrainConfig, UpdateSample, disable_dropout, make_optimizer, policy_update  # noqa: E402
@@ -284,11 +285,11 @@ def main(argv=None) -> int:
         row["variant_wall_s"] = time.perf_counter() - t0
         rows.append(row)
         print(json.dumps(row), flush=True)
-        out.write_text(json.dumps({  # after every variant: a killed run still leaves its results
+        save_json(out, {  # after every variant: a killed run still leaves its results
             "device": gpu_name, "dtype": dtype_name, "shape": shape, "params": params, "batch": batch,
             "seq_len": seq_len, "prompt_len": prompt_len, "peak_tflops": args.peak_tflops,
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "compile_backend": modeling.compile_backend(), "results": rows}, indent=1))
+            "compile_backend": modeling.compile_backend(), "results": rows})
 
     def pct(x):
         return f"{100 * x:.1f}%" if x is not None else "n/a"

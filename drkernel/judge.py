@@ -64,10 +64,11 @@ _CACHE_BYTES = 2**30  # reference outputs kept per group for later candidates' t
 @dataclasses.dataclass
 class Call:
     """One call through a runner as the judge saw it: the reply, the judge's own milliseconds,
-    the inputs, and the output as committed when the reply came (a copy, where kept)."""
+    the inputs and their seed, and the output as committed when the reply came (a copy, where kept)."""
     reply: dict
     wall_ms: float
     inputs: list
+    seed: int
     output: Any = None
 
 
@@ -229,12 +230,16 @@ def _build_reference(r: Reference):
     return build_model(r.ref_mod.Model, init_inputs(r.ref_mod, r.seed), r.seed, r.device)
 
 
-def run_reference(r: Reference, inputs: list):
-    """The reference's output on `inputs`, from a fresh copy of the never-run template."""
+def run_reference(r: Reference, inputs: list, seed: int):
+    """The reference's output on `inputs`, from a fresh copy of the never-run template. The RNG is
+    seeded with the call's seed, as the runner seeds it before the candidate's forward: a
+    reference in training mode (KernelBench's dropout problems) then draws the same mask."""
     import torch
     try:
         with torch.no_grad():
-            out = copy.deepcopy(r.template)(*inputs)
+            model = copy.deepcopy(r.template)
+            torch.manual_seed(seed)
+            out = model(*inputs)
         _sync(r.device)
     except Exception as exc:
         raise Stop("reference_error", exception_text("the reference failed", exc)) from None
@@ -253,7 +258,7 @@ def reference_output(r: Reference, key: tuple[int, bool], inputs: list) -> tuple
     if key in r.outputs:
         return r.outputs[key], inputs
     ref_in = reference_inputs(r, inputs)
-    out = run_reference(r, ref_in)
+    out = run_reference(r, ref_in, key[0])
     size = compare.nbytes(compare.tensors(out))
     if not r.ref_mutates and r.cached_bytes + size <= _CACHE_BYTES:
         r.outputs[key], r.cached_bytes = out, r.cached_bytes + size
@@ -298,11 +303,11 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
         r.flush.fill_(float(seed % 7))
     _sync(r.device)
     t0 = _perf()
-    reply = channel.ask({"op": "call", "mode": mode})
+    reply = channel.ask({"op": "call", "mode": mode, "seed": seed})
     wall = (_perf() - t0) * 1e3
     if "error" in reply:
         raise runner_error(reply, "forward raised")
-    c = Call(reply=reply, wall_ms=wall, inputs=inputs)
+    c = Call(reply=reply, wall_ms=wall, inputs=inputs, seed=seed)
     if keep:
         c.output = _clone(committed(r, c))
     return c
@@ -340,7 +345,7 @@ def _rebuild(struct, ts):
 def verify(j: Judge, c: Call, label: str, code: str = "output_cached") -> None:
     """The output a call committed (copied at its reply) against the reference on the same inputs."""
     t = _perf()
-    ref = run_reference(j.ref, reference_inputs(j.ref, c.inputs))
+    ref = run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed)
     cmp = compare.compare(c.output, ref, j.cfg) if c.output is not None else compare.Match(
         False, str(c.reply.get("mismatch")))
     j.spend("verify", t)
@@ -382,7 +387,7 @@ def setup(r: Reference) -> None:
         except Exception as exc:
             raise Stop("reference_error", exception_text("the reference failed to build", exc)) from None
         warm = gen_inputs(r, r.seed)
-        ref_out, r.ref_mutates = _first_reference_run(r, warm)
+        ref_out, r.ref_mutates = _first_reference_run(r, warm, r.seed)
     _plan_arena(r, warm, ref_out)
     r.mark("setup")
 
@@ -408,13 +413,13 @@ def _init_runner(r: Reference, channel: Channel, candidate: str) -> None:
                   "reference": os.path.join(channel.dir, "reference.py"), "candidate": candidate})
 
 
-def _first_reference_run(r: Reference, inputs: list) -> tuple[Any, bool]:
+def _first_reference_run(r: Reference, inputs: list, seed: int) -> tuple[Any, bool]:
     """The reference's output, and whether it writes into its inputs: an in-place op bumps a
     tensor's version counter even where it leaves the values as they were (ReLU on uniform
     inputs), and the values catch what bypasses the counter."""
     ts = compare.tensors(inputs)
     before, copies = [t._version for t in ts], [t.detach().clone() for t in ts]
-    out = run_reference(r, inputs)
+    out = run_reference(r, inputs, seed)
     return out, any(t._version != v or not compare.same_values(t, c) for t, v, c in zip(ts, before, copies))
 
 
@@ -1065,7 +1070,7 @@ def check_decoy(j: Judge) -> None:
         except Stop:
             return  # it failed without its kernels: they were needed
         ok = c.output is not None and compare.compare(
-            c.output, run_reference(j.ref, reference_inputs(j.ref, c.inputs)), j.cfg).ok
+            c.output, run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed), j.cfg).ok
     if ok:
         j.hack("decoy_kernel", "the output is still correct with every candidate Triton launch skipped")
     j.mark("decoy_check")

@@ -225,6 +225,44 @@ def test_require_triton_off_measures_torch_candidates_only_when_asked():
     assert loose.speedup is not None and loose.speedup > 0
 
 
+DROPOUT_TASK = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Model(nn.Module):
+        def __init__(self, p):
+            super().__init__()
+            self.drop = nn.Dropout(p)
+
+        def forward(self, x):
+            return torch.softmax(self.drop(x * 2.0), dim=1)
+
+
+    def get_inputs():
+        return [torch.rand(8, 256)]
+
+
+    def get_init_inputs():
+        return [0.5]
+''')
+
+
+def test_training_mode_dropout_reference_matches_its_copy():
+    """KernelBench's dropout problems run in training mode: the reference and the candidate
+    draw their masks under the same per-call seed, so a copy of the reference is correct, and
+    a candidate that leaves dropout out is still wrong."""
+    copy = evaluate(DROPOUT_TASK, DROPOUT_TASK + "\n\nclass ModelNew(Model):\n    pass\n", cfg(require_triton=False))
+    assert copy.verdict == "correct", (copy.verdict, copy.hacks, copy.error)
+    no_dropout = DROPOUT_TASK + textwrap.dedent('''
+
+        class ModelNew(Model):
+            def forward(self, x):
+                return torch.softmax(x * 2.0, dim=1)
+    ''')
+    assert evaluate(DROPOUT_TASK, no_dropout, cfg(require_triton=False)).verdict == "incorrect"
+
+
 def test_chunked_comparison_matches_whole_tensor(monkeypatch):
     """Outputs are compared in float64 chunks (KernelBench outputs reach billions of elements);
     the verdict and the error measures must not depend on the chunk size."""
