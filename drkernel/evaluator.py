@@ -722,16 +722,19 @@ def main(argv: list[str] | None = None) -> int:
     except _UsageError as exc:
         if "--json" in argv:
             _print_json_line(json.dumps({"error": str(exc), "usage_error": True}))
-        sys.stdout.flush()
         return 2
     result = _verdict(cmd)
     if cmd.json:
         _print_json_line(result.to_json())
     else:
         _print_summary(result)
-    sys.stdout.flush()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # everything is printed and every job and temporary directory is gone: skip the interpreter's
+    # teardown of torch (about 0.3 s of a CLI run)
+    os._exit(status)

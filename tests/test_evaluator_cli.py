@@ -179,3 +179,17 @@ def test_auto_on_a_gpu_host_whose_torch_lacks_cuda_says_so(tmp_path):
     result = last_json(out.stdout)
     assert result["verdict"] == "runtime_error", out.stderr
     assert "nvidia-smi lists a GPU" in result["error"]
+
+
+def test_module_run_keeps_exit_status_and_json_line_through_a_pipe():
+    """`python -m drkernel.evaluator` ends without interpreter teardown: its exit status and its
+    last stdout line (a pipe, so block-buffered) must still come out."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    out = subprocess.run([sys.executable, "-m", "drkernel.evaluator", *FILES, "--trials", "zero", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert last_json(out.stdout)["usage_error"] is True
