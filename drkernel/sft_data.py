@@ -401,17 +401,30 @@ class ConvertStats:
     truncated_at_hack: int = 0  # trajectories cut before a hacked turn
     below_threshold: int = 0  # trajectories without a qualifying turn
     duplicates: int = 0  # the same final kernel as a kept trajectory of the problem with a higher reward
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "row N: why" per unusable row or line
 
 
-def _trajectories(rows: Iterable[dict]) -> dict[tuple[int, int, int], list[dict]]:
-    """The rows of each (level, problem_id, sample); SFTDataError at a row without the keys a
-    conversation needs."""
+_ROW_KEYS = ("level", "problem_id", "sample", "turn")  # counts that place a row in its trajectory
+
+
+def _row_problem(row: dict) -> str | None:
+    """Why a generation row cannot be placed in a conversation (None: it can)."""
+    missing = [k for k in (*_ROW_KEYS, "response") if k not in row]
+    if missing:
+        return f"missing key(s) {', '.join(missing)}"
+    bad = [k for k in _ROW_KEYS if isinstance(row[k], bool) or not isinstance(row[k], int)]
+    return f"{', '.join(bad)} not an integer" if bad else None
+
+
+def _trajectories(rows: Iterable[dict], stats: ConvertStats) -> dict[tuple[int, int, int], list[dict]]:
+    """The rows of each (level, problem_id, sample); a row that cannot be placed is skipped and named."""
     trajs: dict[tuple[int, int, int], list[dict]] = {}
-    for i, row in enumerate(rows):
-        missing = [k for k in ("level", "problem_id", "sample", "turn", "response") if k not in row]
-        if missing:
-            raise SFTDataError(f"generation row {i}: missing key(s) {', '.join(missing)}")
-        trajs.setdefault((int(row["level"]), int(row["problem_id"]), int(row["sample"])), []).append(row)
+    for i, row in enumerate(rows, 1):
+        problem = _row_problem(row)
+        if problem:
+            stats.skipped.append(f"row {i}: {problem}")
+            continue
+        trajs.setdefault((row["level"], row["problem_id"], row["sample"]), []).append(row)
     return trajs
 
 
@@ -437,7 +450,7 @@ def _conversation(task, turns: list[dict], good: list[int], train_failed_turns: 
             msg["weight"] = 1 if t in good else 0
         messages.append(msg)
         if t < len(turns) - 1:
-            messages.append({"role": "user", "content": feedback_message(_result_of(r), int(r["turn"]))})
+            messages.append({"role": "user", "content": feedback_message(_result_of(r), r["turn"])})
     return messages
 
 
@@ -477,15 +490,16 @@ def generations_to_sft(rows: Iterable[dict], tasks: Sequence, min_reward: float 
     from drkernel.prompts import extract_code
 
     by_key = {(int(t.level), int(t.problem_id)): t for t in tasks}
-    trajs = _trajectories(rows)
-    stats = ConvertStats(trajectories=len(trajs))
+    stats = ConvertStats()
+    trajs = _trajectories(rows, stats)
+    stats.trajectories = len(trajs)
     candidates = []
     for (level, pid, sample), turns in sorted(trajs.items()):
         task = by_key.get((level, pid))
         if task is None:
             stats.missing_task += 1
             continue
-        turns = _before_hack(sorted(turns, key=lambda r: int(r["turn"])), stats)
+        turns = _before_hack(sorted(turns, key=lambda r: r["turn"]), stats)
         good = [t for t, r in enumerate(turns) if _qualifies(r, min_reward, min_speedup)]
         if not good:
             stats.below_threshold += 1
@@ -502,6 +516,16 @@ def generations_to_sft(rows: Iterable[dict], tasks: Sequence, min_reward: float 
     return out, stats
 
 
+def _generation_rows(path: Path) -> tuple[list[dict], list[str]]:
+    """The usable rows of generate.py's JSONL (a .json list is read whole), and "line N: why" for
+    each other line (a killed run leaves its last line cut)."""
+    if path.suffix == ".json":
+        return _read_json_rows(path), []
+    lines = [(ln, ln.error if ln.row is None else _row_problem(ln.row)) for ln in iter_jsonl(path)]
+    return ([ln.row for ln, problem in lines if not problem],
+            [f"line {ln.lineno}: {problem}" for ln, problem in lines if problem])
+
+
 def convert_file(cfg: ConvertConfig) -> ConvertStats:
     """Read `cfg.generations`, write `cfg.out`; return the stats."""
     from drkernel.tasks import load_tasks
@@ -511,10 +535,11 @@ def convert_file(cfg: ConvertConfig) -> ConvertStats:
     path = Path(cfg.generations)
     if not path.is_file():
         raise SFTDataError(f"--generations {path}: no such file")
-    rows = _read_json_rows(path)
+    rows, unreadable = _generation_rows(path)
     levels = [int(x) for x in str(cfg.levels).split(",") if x.strip()]
     tasks = load_tasks(cfg.tasks, levels=levels)
     out_rows, stats = generations_to_sft(rows, tasks, cfg.min_reward, cfg.min_speedup, cfg.train_failed_turns)
+    stats.skipped[:0] = unreadable
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(str(cfg.out) + ".tmp")
     with open(tmp, "w") as fh:
@@ -534,6 +559,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, SFTDataError, TaskError, OSError) as exc:
         print(f"drkernel.sft_data: error: {exc}", file=sys.stderr)
         return 2
+    if stats.skipped:
+        more = f"; and {len(stats.skipped) - 3} more" if len(stats.skipped) > 3 else ""
+        print(f"drkernel.sft_data: {cfg.generations}: skipped {len(stats.skipped)} unusable row(s): "
+              f"{'; '.join(stats.skipped[:3])}{more}", file=sys.stderr)
     print(json.dumps({"out": cfg.out, **dataclasses.asdict(stats)}))
     return 0
 

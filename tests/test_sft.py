@@ -427,8 +427,12 @@ def test_generations_to_sft(generations, tiny_tokenizer):
     assert [(r["problem_id"], r["sample"]) for r in out] == [(1, 0), (1, 1), (2, 0)]
     out, _ = sft_data.generations_to_sft(rows, tasks, train_failed_turns=True)
     assert "weight" not in out[0]["messages"][2]
-    with pytest.raises(SFTDataError, match="missing key"):
-        sft_data.generations_to_sft([{"level": 0}], tasks)
+    # rows that cannot be placed in a conversation are skipped and named, the rest still convert
+    bad = [{"level": 0}, {**rows[0], "sample": "x"}, {**rows[0], "turn": True}]
+    out, stats = sft_data.generations_to_sft(bad + rows, tasks)
+    assert [(r["problem_id"], r["sample"]) for r in out] == [(1, 0), (1, 1), (2, 0)]
+    assert stats.skipped == ["row 1: missing key(s) problem_id, sample, turn, response",
+                             "row 2: sample not an integer", "row 3: turn not an integer"]
 
 
 def test_generations_cli(generations, tmp_path, capsys):
@@ -441,13 +445,21 @@ def test_generations_cli(generations, tmp_path, capsys):
     assert "no such file" in capsys.readouterr().err
 
 
-def test_generations_cli_names_a_broken_file(generations, tmp_path, capsys):
-    """A generations file that is not JSON is a clear error (exit code 2) naming where, not a traceback."""
+def test_generations_cli_skips_and_names_unusable_lines(generations, tmp_path, capsys):
+    """A killed generate.py run leaves its last line cut, and a row may lack what a conversation
+    needs: each such line is skipped and named on stderr, every other row converts (exit 0). A .json
+    list that is not JSON is a clear error (exit 2), not a traceback."""
     out = tmp_path / "sft.jsonl"
     cut = tmp_path / "cut.jsonl"
-    cut.write_text(generations.read_text() + '{"level": 1, "problem_id"')
-    assert sft_data.main(["--generations", str(cut), "--out", str(out)]) == 2
-    assert f"{cut}:11: not a JSON object" in capsys.readouterr().err
+    lines = generations.read_text().splitlines()
+    cut.write_text("\n".join([lines[0], '{"level": "one", "problem_id": 1, "sample": 0, "turn": 0, "response": ""}',
+                              *lines[1:], '{"level": 1, "problem_id"']) + "\n")
+    assert sft_data.main(["--generations", str(cut), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "skipped 2 unusable row(s): line 2: level not an integer; line 12: not a JSON object" in captured.err
+    assert json.loads(captured.out.strip().splitlines()[-1])["kept"] == 3
+    assert len(sft_data.load_conversations(str(out))) == 3
+    out.unlink()
     broken = tmp_path / "gen.json"
     broken.write_text('[{"level": 1},')
     assert sft_data.main(["--generations", str(broken), "--out", str(out)]) == 2
