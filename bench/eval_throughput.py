@@ -18,8 +18,9 @@ the one expected. JSON with every result: `--json` (default `$OUT/eval_throughpu
 
 Also printed: seconds per judge phase summed over each pass's candidates, the same seconds by
 kind of work (`details.split_s`: making inputs, candidate calls, reference runs, comparisons), the
-seconds spent waiting for the GPU lock (shared and alone) and for GPU memory, and how many
-results were re-run alone.
+seconds spent waiting for the GPU lock (shared and alone) and for GPU memory, how many results
+were re-run alone, the seconds the judge held the GPU alone and the ceiling that sets on
+candidates a minute (`alone_ceiling`), and each large task's memory estimate against its peaks.
 
     python bench/eval_throughput.py --kernelbench .bench_data/kernelbench --set full --workers 1,6  # GPU
     python bench/eval_throughput.py --kernelbench .bench_data/kernelbench --set rl --workers 6     # GPU
@@ -53,7 +54,7 @@ SPEEDUP_TOLERANCE = 0.03  # a speedup further than this from 1 worker's is liste
 SPEEDUP_FLAG = 0.10  # and flagged beyond this
 DETAILS = ("phase_s", "split_s", "lock_wait_s", "memory_wait_s", "overhead_s", "retried_alone", "preflight",
            "timed_calls", "memory_estimate_gib", "memory_peak_gib", "memory_peak_gib_by_phase", "clock_extra_ms",
-           "clock_overhead_ms", "warm_up_s")  # kept per result
+           "clock_overhead_ms", "warm_up_s", "gpu_alone_s", "group_gpu_alone_s")  # kept per result
 
 
 @dataclasses.dataclass
@@ -195,6 +196,18 @@ def _summed(results: list[EvalResult], key: str) -> dict[str, float]:
     return total
 
 
+def alone_ceiling(results: list[EvalResult]) -> tuple[float, float | None]:
+    """(seconds the GPU was held alone, candidates a minute that allows): the judge holds its GPU
+    alone for timing, profiling and, once per group, calibration and the reference's own timing,
+    so no number of runners judges more than this many a minute on one GPU. None without holds."""
+    held = 0.0
+    for r in results:
+        d = r.details
+        group = (d.get("overhead_s") or {}).get("group") or 1  # the group's holds, shared by its results
+        held += (d.get("gpu_alone_s") or 0.0) + (d.get("group_gpu_alone_s") or 0.0) / group
+    return held, (60.0 * len(results) / held if held > 0 else None)
+
+
 def print_time_split(passes: list[Pass]) -> None:
     """Where each uncached pass's job-seconds went."""
     for p in passes:
@@ -207,9 +220,12 @@ def print_time_split(passes: list[Pass]) -> None:
         outside = ", ".join(f"{k} {v:.1f}" for k, v in _summed(p.results, "overhead_s").items())
         retried = sum(bool(r.details.get("retried_alone")) for r in p.results)
         warm = sum(r.details.get("warm_up_s") or 0.0 for r in p.results)
+        held, ceiling = alone_ceiling(p.results)
+        limit = f"at most {ceiling:.1f} candidates a minute on one GPU" if ceiling else "no holds"
         print(f"{p.label}: job seconds by phase: {phases}\n  by kind of work: {split}\n  waiting for the GPU "
               f"lock: {waits}; for memory: {memory:.1f}; re-run alone: {retried}\n  pre-flight and sandbox "
-              f"job seconds: {outside}; comparison kernels' warm-up (no lock held): {warm:.1f}")
+              f"job seconds: {outside}; comparison kernels' warm-up (no lock held): {warm:.1f}\n"
+              f"  the GPU held alone: {held:.1f} s, so {limit}, whatever the runners")
 
 
 def print_memory(p: Pass, candidates: list[Candidate], floor_gib: float = 4.0) -> None:
@@ -217,14 +233,14 @@ def print_memory(p: Pass, candidates: list[Candidate], floor_gib: float = 4.0) -
     reached (the judge's and the runner's caching allocators; CUDA contexts not included)."""
     rows: dict[str, list] = {}
     for c, r in zip(candidates, p.results):
-        est, peak = r.details.get("memory_estimate_gib"), r.details.get("memory_peak_gib") or {}
-        if est is None or est < floor_gib or "judge" not in peak:
+        est, phases = r.details.get("memory_estimate_gib"), r.details.get("memory_peak_gib_by_phase") or {}
+        if est is None or est < floor_gib or not phases:
             continue
-        phases = r.details.get("memory_peak_gib_by_phase") or {}
         row = rows.setdefault(c.task.key, [est, 0.0, 0.0, ""])
-        if peak["judge"] > row[1]:
-            row[1], row[3] = peak["judge"], max(phases, key=phases.get, default="")
-        row[2] = max(row[2], peak.get("runner") or 0.0)
+        judge = max(phases.values())
+        if judge > row[1]:
+            row[1], row[3] = judge, max(phases, key=phases.get)
+        row[2] = max(row[2], (r.details.get("memory_peak_gib") or {}).get("runner") or 0.0)
     if rows:
         print(f"\n{p.label}: GPU memory per task (GiB), estimate vs peak reserved")
         print(f"{'task':>8} {'estimate':>9} {'judge':>7} {'runner':>7} {'sum':>7}  judge's peak phase")

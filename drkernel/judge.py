@@ -1093,12 +1093,16 @@ GROUP = (setup, start_twin, (calibrate,), load_twin, (time_reference_alone,))
 CANDIDATE = (attach_runner, load_candidate, check_correctness, (time_interleaved, profile), check_decoy, final)
 
 
-def _run(phases: tuple, state, r: Reference) -> None:
+def _run(phases: tuple, state, r: Reference, alone_key: str) -> None:
+    """The phases in order; the seconds each tuple held the GPU alone (its idle wait included) add
+    up in `state.details[alone_key]`: what bounds how many candidates a minute one GPU can judge."""
     for step in phases:
         if isinstance(step, tuple):
+            t0 = _perf()
             with _alone(r):
                 for phase in step:
                     phase(state)
+            state.details[alone_key] = round(state.details.get(alone_key, 0.0) + _perf() - t0, 4)
         else:
             step(state)
 
@@ -1117,8 +1121,10 @@ def _ending(err: BaseException) -> tuple[str, str | None, str | None]:
         "".join(traceback.format_exception(type(err), err, err.__traceback__)), 1200), None
 
 
-def _judge_candidate(r: Reference, runner: Channel, candidate_path: str, started: float) -> dict:
-    """Every candidate phase in order; the runner is killed before the result is written."""
+def _judge_candidate(r: Reference, runner: Channel, candidate_path: str, started: float,
+                     waited: dict[str, float]) -> dict:
+    """Every candidate phase in order; the runner is killed before the result is written. `waited`:
+    the GPU lock's waits (`DeviceLock.waited`) before this candidate's share of the job began."""
     j = Judge(ref=r, runner=runner, candidate_path=candidate_path)
     j.out.details.update({k: v for k, v in r.details.items() if k != "confinement"})
     j.out.device, j.out.timing, j.out.baseline = str(r.device), "cuda_events" if r.cuda else "cpu_wall", r.cfg.baseline
@@ -1127,7 +1133,7 @@ def _judge_candidate(r: Reference, runner: Channel, candidate_path: str, started
     runner.deadline = time.monotonic() + float(r.cfg.timeout)
     r.clock = _perf()
     try:
-        _run(CANDIDATE, j, r)
+        _run(CANDIDATE, j, r, "gpu_alone_s")
     except Exception as err:  # noqa: BLE001 - a verdict either way, never a pass
         verdict, error, code = _ending(err)
         if code is not None:
@@ -1137,6 +1143,8 @@ def _judge_candidate(r: Reference, runner: Channel, candidate_path: str, started
             j.out.verdict, j.out.error = verdict, error
     finally:
         runner.kill()
+    if r.gpu is not None:
+        j.details["lock_wait_s"] = {k: round(v - waited.get(k, 0.0), 3) for k, v in r.gpu.waited.items()}
     return _verdict(j, started)
 
 
@@ -1169,13 +1177,9 @@ def _free_gpu(r: Reference) -> None:
     gc.collect()
     if r.memory is not None:
         import torch
-        phases = r.details.get("memory_peak_gib_by_phase", {}).values()
-        r.details.setdefault("memory_peak_gib", {})["judge"] = round(
-            max([torch.cuda.max_memory_reserved(r.device) / 2**30, *phases]), 2)
         torch.cuda.empty_cache()
         r.memory.release()
     if r.gpu is not None:
-        r.details["lock_wait_s"] = {k: round(v, 3) for k, v in r.gpu.waited.items()}
         r.gpu.close()
 
 
@@ -1203,15 +1207,17 @@ def evaluate(reference_path: str, candidate_paths: list[str], config: dict, runn
             shutil.copyfile(path, os.path.join(channel.dir, os.path.basename(path)))
     try:
         try:
-            _run(GROUP, r, r)
+            _run(GROUP, r, r, "group_gpu_alone_s")
         except Exception as err:  # noqa: BLE001 - every candidate gets the group's ending
             return {"results": _group_failed(r, err, len(candidate_paths))}
         results = []
         for k, (runner, path) in enumerate(zip(runners, candidate_paths)):
             started = _perf()
+            # the first candidate's share of the job holds the group's phases too
+            waited = dict(r.gpu.waited) if r.gpu is not None and k else {}
             runner.deadline = time.monotonic() + float(r.cfg.timeout)
             _init_runner(r, runner, os.path.join(runner.dir, os.path.basename(path)))
-            results.append(_judge_candidate(r, runner, path, started if k else t0))
+            results.append(_judge_candidate(r, runner, path, started if k else t0, waited))
         return {"results": results}
     finally:
         for channel in (twin, *runners):

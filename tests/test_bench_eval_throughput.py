@@ -86,4 +86,28 @@ def test_cpu_run_with_the_cache(kernelbench_path, tmp_path, capsys):
     assert saved["differences"] == [] and saved["unexpected"] == []
     assert saved["environment"]["device"] == "cpu" and result["cache"]["workers"] == 1
     assert list((tmp_path / "cache").iterdir()) == []  # the run's cache directories are removed
-    assert "every known expectation met" in capsys.readouterr().out
+    # the judge reports the seconds of its phases that hold the GPU alone, its group's apart
+    assert all(r["gpu_alone_s"] > 0 and r["group_gpu_alone_s"] > 0 for r in cold["results"])
+    printed = capsys.readouterr().out
+    assert "every known expectation met" in printed and "the GPU held alone:" in printed
+
+
+def test_alone_ceiling_counts_a_groups_holds_once():
+    """Two candidates of one group (each result carries the group's 3 s) and one alone: 2 + 1 + 4
+    seconds of their own and 3 + 1 of their groups' make 11 s for 3 candidates: 16.4 a minute."""
+    group = {"overhead_s": {"group": 2}, "group_gpu_alone_s": 3.0}
+    results = [EvalResult(details={**group, "gpu_alone_s": 2.0}), EvalResult(details={**group, "gpu_alone_s": 1.0}),
+               EvalResult(details={"overhead_s": {"group": 1}, "group_gpu_alone_s": 1.0, "gpu_alone_s": 4.0})]
+    held, ceiling = et.alone_ceiling(results)
+    assert held == pytest.approx(11.0) and ceiling == pytest.approx(60 * 3 / 11)
+    assert et.alone_ceiling([EvalResult(verdict="compile_error")]) == (0.0, None)
+
+
+def test_memory_table_reads_the_judges_peak_from_its_phases(capsys):
+    """The judge's peak is the largest of its phases' peaks; the runner's is reported apart."""
+    details = {"memory_estimate_gib": 52.0, "memory_peak_gib": {"runner": 12.0},
+               "memory_peak_gib_by_phase": {"setup": 30.0, "correctness": 36.0, "timing": 36.0}}
+    p = et.Pass(1, "cold", 0.0, 1.0, [EvalResult(details=details), EvalResult(details={"memory_estimate_gib": 2.0})])
+    et.print_memory(p, [cand("a"), cand("b")])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("0_1")]
+    assert rows == [["0_1", "52.0", "36.0", "12.0", "48.0", "correctness"]]
