@@ -50,6 +50,7 @@ from drkernel.mismatch import mismatch_correction  # noqa: E402
 from drkernel.rewards import RewardConfig, compute_reward  # noqa: E402
 from drkernel.rollout import TurnSample  # noqa: E402
 from drkernel.trainer import TrainConfig, update_samples  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 
 DT = torch.float64
 ACTIONS = ("fast", "lazy", "wrong", "hack")
@@ -431,4 +432,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

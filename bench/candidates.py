@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.kernelbench_eval import shrunk_task, solution_files  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, BUNDLED_SOLUTIONS_DIR, Task, load_kernelbench, load_task_file  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 FIXTURE_DIRS = ("hacks", "legit", "faults")
@@ -402,4 +403,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.jsonfile import save_json  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 
 LIMIT_S = 600.0  # the "under 10 minutes on a 2-core CPU"
 
@@ -69,4 +70,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -49,6 +49,7 @@ from bench.evaluator import reference_as_candidate  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evalcache import fingerprint  # noqa: E402
 from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 
 SPEEDUP_TOLERANCE = 0.03  # a speedup further than this from 1 worker's is listed
 SPEEDUP_FLAG = 0.10  # and flagged beyond this
@@ -349,4 +350,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 
 SOLUTIONS = Path(__file__).resolve().parent / "solutions"
 
@@ -135,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -29,6 +29,7 @@ from bench.candidates import headers  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 from tests.fixtures.attacks import harness as attacks  # noqa: E402
 
 
@@ -101,4 +102,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

@@ -34,6 +34,7 @@ from drkernel.channel import Channel  # noqa: E402
 from drkernel.evaluator import EvalConfig, resolve_device  # noqa: E402
 from drkernel.runner import import_file  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 
 
 def _timed(fn, device, repeats: int) -> float:
@@ -140,4 +141,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

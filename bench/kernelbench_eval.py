@@ -40,6 +40,7 @@ from bench.evaluator import reference_as_candidate  # noqa: E402
 from drkernel.config import parse_config  # noqa: E402
 from drkernel.jsonl import dumps, read_jsonl  # noqa: E402
 from drkernel.tasks import Task, load_kernelbench  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 
 SOLUTIONS = ROOT / "bench" / "solutions"
 SOLUTION_FILE = re.compile(r"^level(\d+)_(\d+)_(.+)\.py$")
@@ -330,4 +331,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status(main))

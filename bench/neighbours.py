@@ -24,6 +24,7 @@ from bench.candidates import headers  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, EvalResult, Evaluator  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 
 HONEST = ("level1_19_ReLU.py", "level1_23_Softmax.py", "level1_21_Sigmoid.py", "level1_36_RMSNorm_.py")
 HOSTILE = ("tests/fixtures/hacks/neighbour_spin_after_reply.py",)
@@ -93,4 +94,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

@@ -60,6 +60,7 @@ from bench.jsonfile import save_json  # noqa: E402
 from bench.rollout import QWEN25_05B  # noqa: E402
 from drkernel.generation import GenOutput  # noqa: E402
 from drkernel.tasks import Task  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 
 VOCAB_NAME = "qwen.tiktoken"
 # Qwen2's pre-tokenizer split (single digits), NFC-normalised input
@@ -347,4 +348,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

@@ -48,6 +48,7 @@ from bench.jsonfile import save_json  # noqa: E402
 from bench.qwen2 import random_model  # noqa: E402
 from drkernel import modeling  # noqa: E402
 from drkernel.trainer import TrainConfig, UpdateSample, disable_dropout, make_optimizer, policy_update  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 
 QWEN2_15B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
@@ -316,4 +317,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status(main))

@@ -53,6 +53,10 @@ def _device_problem(device: str) -> str | None:
     return None
 
 
+class DeviceError(ValueError):
+    """A device this machine cannot evaluate on (the message is for the user)."""
+
+
 class ConfinementError(RuntimeError):
     """The kernel lacks a layer of the runner's confinement and `require_confinement` is on."""
 
@@ -60,11 +64,11 @@ class ConfinementError(RuntimeError):
 def resolve_device(device: str) -> str:
     """`auto` → `cuda` when a GPU is visible, else `cpu`; on cpu turn on Triton's interpreter
     (it must be set before anything applies @triton.jit, so scripts call this first). A device
-    this machine lacks raises ValueError with a message for the user. Only asks torch whether
+    this machine lacks raises DeviceError with a message for the user. Only asks torch whether
     CUDA is available, which leaves later forks usable."""
     problem = _device_problem(device)
     if problem:
-        raise ValueError(problem)
+        raise DeviceError(problem)
     if device == "auto":
         import torch  # importing torch does not import triton's jit
 

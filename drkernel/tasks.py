@@ -116,20 +116,26 @@ def load_kernelbench(path_or_id: str = DEFAULT_HUB_ID, level: int = 1,
     except ImportError:  # e.g. a GPU image without `datasets`: read a local copy directly
         rows = _read_local_split(path_or_id, level)
     else:
-        rows = datasets.load_dataset(path_or_id, split=f"level_{level}")
+        try:
+            rows = datasets.load_dataset(path_or_id, split=f"level_{level}")
+        except Exception as exc:  # a missing path, an unknown split, no network for a hub id
+            raise TaskError(f"cannot load KernelBench level_{level} from {path_or_id!r}: {exc}") from None
     return rows_to_tasks(rows, source=f"{path_or_id}:level_{level}", problem_ids=problem_ids)
 
 
 def _read_local_split(path: str, level: int) -> list[dict]:
     """The hub layout's JSONL files of one split, without `datasets` (local copies only)."""
-    import json
+    from drkernel.jsonl import iter_jsonl
 
     files = sorted(Path(path).glob(f"**/level_{level}-*.jsonl"))
     if not files:
         raise TaskError(f"`datasets` is not installed and {path} holds no level_{level}-*.jsonl files")
     rows = []
     for f in files:
-        rows.extend(json.loads(line) for line in f.read_text().splitlines() if line.strip())
+        for line in iter_jsonl(f):
+            if line.row is None:
+                raise TaskError(f"{f}:{line.lineno}: {line.error}")
+            rows.append(line.row)
     return rows
 
 

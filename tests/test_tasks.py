@@ -1,0 +1,35 @@
+"""Loading KernelBench: a path or split that cannot be read is a TaskError naming it, and every
+script, bench scripts included, turns it into one line and exit status 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from drkernel.tasks import TaskError, _read_local_split, load_kernelbench
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_path_without_kernelbench_is_a_task_error(tmp_path):
+    with pytest.raises(TaskError, match=f"cannot load KernelBench level_1 from '{tmp_path / 'none'}'"):
+        load_kernelbench(str(tmp_path / "none"), 1)
+
+
+def test_a_cut_line_of_a_local_split_is_named(tmp_path):
+    """The reader used where `datasets` is missing (the GPU image)."""
+    split = tmp_path / "data" / "level_1-00000.jsonl"
+    split.parent.mkdir()
+    split.write_text('{"code": "x", "level": 1, "problem_id": 1}\n{"code": "y", "lev\n')
+    with pytest.raises(TaskError, match=r"level_1-00000.jsonl:2: not a JSON object"):
+        _read_local_split(str(tmp_path), 1)
+
+
+def test_a_bench_script_with_a_bad_kernelbench_path_exits_2_with_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "bench/ref_self.py", "--kernelbench", str(tmp_path / "none"),
+                          "--out", str(tmp_path / "r.json")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"ref_self.py: error: cannot load KernelBench level_1 from '{tmp_path / 'none'}': "), lines
