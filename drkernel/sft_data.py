@@ -539,7 +539,7 @@ def convert_file(cfg: ConvertConfig) -> ConvertStats:
     levels = [int(x) for x in str(cfg.levels).split(",") if x.strip()]
     tasks = load_tasks(cfg.tasks, levels=levels)
     out_rows, stats = generations_to_sft(rows, tasks, cfg.min_reward, cfg.min_speedup, cfg.train_failed_turns)
-    stats.skipped[:0] = unreadable
+    stats.skipped = unreadable + stats.skipped  # file lines first, then rows without integer counts
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(str(cfg.out) + ".tmp")
     with open(tmp, "w") as fh:
