@@ -61,7 +61,7 @@ from drkernel.config import (COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, 
                              TaskSelection, changed_settings, compose, limit_problems, script_config)
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.generation import GenerationConfig
-from drkernel.jsonl import JsonlWriter, iter_jsonl, json_safe, write_json
+from drkernel.jsonl import JsonlWriter, first_reasons, iter_jsonl, json_safe, write_json
 from drkernel.rollout import RolloutConfig
 
 ROW_RESULT_FIELDS = ("verdict", "compiled", "correct", "speedup", "triton_time_share", "hacks", "error",
@@ -427,9 +427,8 @@ def report_resumed(path: Path, res: Resumed) -> None:
     """One stderr line per kind of dropped row, and what is kept."""
     say = f"[generate] {path}:"
     if res.skipped:
-        more = f"; and {len(res.skipped) - 3} more" if len(res.skipped) > 3 else ""
         print(f"{say} skipped {len(res.skipped)} unusable line(s) (a killed run leaves its last line cut): "
-              f"{'; '.join(res.skipped[:3])}{more}", file=sys.stderr)
+              f"{first_reasons(res.skipped)}", file=sys.stderr)
     if res.failed:
         print(f"{say} {res.failed} failed generation(s): their rounds are generated again", file=sys.stderr)
     if res.unfinished:

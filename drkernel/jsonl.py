@@ -79,6 +79,13 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[JsonlLine]:
             yield _parse_line(lineno, raw)
 
 
+def first_reasons(reasons: list[str], shown: int = 3) -> str:
+    """The first `shown` reasons a reader skipped lines or rows for, and how many more ("a; b; c;
+    and 2 more"): one stderr line however many there are."""
+    more = f"; and {len(reasons) - shown} more" if len(reasons) > shown else ""
+    return "; ".join(reasons[:shown]) + more
+
+
 def read_jsonl(path: str | os.PathLike) -> tuple[list[dict], int]:
     """(rows, unreadable lines): only JSON objects count as rows."""
     lines = list(iter_jsonl(path))

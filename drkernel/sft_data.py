@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from drkernel import metrics
-from drkernel.jsonl import finite, iter_jsonl
+from drkernel.jsonl import finite, first_reasons, iter_jsonl
 
 IGNORE_INDEX = -100
 BUNDLED_SFT = Path(__file__).parent / "data" / "sft" / "conversations.jsonl"
@@ -560,9 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"drkernel.sft_data: error: {exc}", file=sys.stderr)
         return 2
     if stats.skipped:
-        more = f"; and {len(stats.skipped) - 3} more" if len(stats.skipped) > 3 else ""
         print(f"drkernel.sft_data: {cfg.generations}: skipped {len(stats.skipped)} unusable row(s): "
-              f"{'; '.join(stats.skipped[:3])}{more}", file=sys.stderr)
+              f"{first_reasons(stats.skipped)}", file=sys.stderr)
     print(json.dumps({"out": cfg.out, **dataclasses.asdict(stats)}))
     return 0
 
