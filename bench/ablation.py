@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.entry import exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.advantages import compute_advantages  # noqa: E402
 from drkernel.evaluator import EvalResult  # noqa: E402
@@ -50,7 +51,6 @@ from drkernel.mismatch import mismatch_correction  # noqa: E402
 from drkernel.rewards import RewardConfig, compute_reward  # noqa: E402
 from drkernel.rollout import TurnSample  # noqa: E402
 from drkernel.trainer import TrainConfig, update_samples  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 DT = torch.float64
 ACTIONS = ("fast", "lazy", "wrong", "hack")

@@ -36,9 +36,9 @@ from typing import Callable, Iterable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.entry import exit_status  # noqa: E402
 from bench.kernelbench_eval import shrunk_task, solution_files  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, BUNDLED_SOLUTIONS_DIR, Task, load_kernelbench, load_task_file  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "fixtures"
 FIXTURE_DIRS = ("hacks", "legit", "faults")

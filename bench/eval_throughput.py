@@ -45,11 +45,11 @@ sys.path.insert(0, str(ROOT))
 
 from bench.candidates import (Candidate, all_candidates, bundled_task, composition, full_size_set,  # noqa: E402
                               mixed_set, rl_batch)
+from bench.entry import exit_status  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evalcache import fingerprint  # noqa: E402
 from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 SPEEDUP_TOLERANCE = 0.03  # a speedup further than this from 1 worker's is listed
 SPEEDUP_FLAG = 0.10  # and flagged beyond this

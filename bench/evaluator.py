@@ -28,10 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.entry import exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 SOLUTIONS = Path(__file__).resolve().parent / "solutions"
 

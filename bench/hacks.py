@@ -26,10 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import headers  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 from tests.fixtures.attacks import harness as attacks  # noqa: E402
 
 

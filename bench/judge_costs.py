@@ -28,13 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.entry import exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel import compare, judge  # noqa: E402
 from drkernel.channel import Channel  # noqa: E402
 from drkernel.evaluator import EvalConfig, resolve_device  # noqa: E402
 from drkernel.runner import import_file  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 
 def _timed(fn, device, repeats: int) -> float:

@@ -36,11 +36,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.entry import exit_status  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
 from drkernel.config import parse_config  # noqa: E402
 from drkernel.jsonl import dumps, read_jsonl  # noqa: E402
 from drkernel.tasks import Task, load_kernelbench  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 SOLUTIONS = ROOT / "bench" / "solutions"
 SOLUTION_FILE = re.compile(r"^level(\d+)_(\d+)_(.+)\.py$")

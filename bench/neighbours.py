@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import headers  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, EvalResult, Evaluator  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 HONEST = ("level1_19_ReLU.py", "level1_23_Softmax.py", "level1_21_Sigmoid.py", "level1_36_RMSNorm_.py")
 HOSTILE = ("tests/fixtures/hacks/neighbour_spin_after_reply.py",)

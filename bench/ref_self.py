@@ -23,11 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.entry import exit_status  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 BAND = (0.95, 1.05)
 LAUNCH_BOUND = ("MobileNetV1", "MobileNetV2", "ResNet18")

@@ -56,11 +56,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import Candidate, all_candidates, by_task, composition, mixed_set  # noqa: E402
+from bench.entry import exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from bench.rollout import QWEN25_05B  # noqa: E402
 from drkernel.generation import GenOutput  # noqa: E402
 from drkernel.tasks import Task  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 VOCAB_NAME = "qwen.tiktoken"
 # Qwen2's pre-tokenizer split (single digits), NFC-normalised input

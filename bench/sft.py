@@ -28,10 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.entry import exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.modeling import enable_gradient_checkpointing  # noqa: E402
 from drkernel.sft import SFTLoss, sft_step  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 QWEN25_15B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                   intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,

@@ -44,11 +44,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.entry import exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from bench.qwen2 import random_model  # noqa: E402
 from drkernel import modeling  # noqa: E402
 from drkernel.trainer import TrainConfig, UpdateSample, disable_dropout, make_optimizer, policy_update  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
 
 QWEN2_15B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
