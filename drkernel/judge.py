@@ -1126,7 +1126,8 @@ def _judge_candidate(r: Reference, runner: Channel, candidate_path: str, started
     """Every candidate phase in order; the runner is killed before the result is written. `waited`:
     the GPU lock's waits (`DeviceLock.waited`) before this candidate's share of the job began."""
     j = Judge(ref=r, runner=runner, candidate_path=candidate_path)
-    j.out.details.update({k: v for k, v in r.details.items() if k != "confinement"})
+    # a copy: the group's per-phase records are each candidate's own from here on
+    j.out.details.update(copy.deepcopy({k: v for k, v in r.details.items() if k != "confinement"}))
     j.out.device, j.out.timing, j.out.baseline = str(r.device), "cuda_events" if r.cuda else "cpu_wall", r.cfg.baseline
     with open(candidate_path, encoding="utf-8", errors="replace") as fh:
         j.kernels = triton_source.jit_kernels(fh.read())
