@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from drkernel.compare import tensors
 
-MAX_EVENTS = 50000  # a level-3 forward logs a few thousand; past this the log is marked truncated
+MAX_EVENTS = 50000  # a level-3 forward logs a few thousand; past this the log is marked truncated (no evidence)
 
 # in-place ops that overwrite their first argument without reading it
 _OVERWRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "bernoulli_",
@@ -95,6 +95,13 @@ def _mutated(func, args, kwargs) -> list[tuple[torch.Tensor, bool]]:
     return out
 
 
+def _is_view(func) -> bool:
+    """A view (its output shares its input's storage, nothing read or written): storages are keyed
+    by base, so it changes no dependency and is not logged."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
 class FlowLog(TorchDispatchMode):
     """Logs every aten op run under it as an `Event`; `launch` adds a Triton launch in order."""
 
@@ -114,7 +121,7 @@ class FlowLog(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self.paused:
+        if not self.paused and not _is_view(func):
             self._add(self._event(func, args, kwargs, out))
         return out
 

@@ -24,14 +24,17 @@ Then per candidate (`Judge`), in order:
 6. `attach_runner`: its runner attached to the arena and confined, its evidence machinery described;
 7. `load_candidate`: the runner imports the candidate and builds `ModelNew`;
 8. `check_correctness`: trials on fresh uniform and signed-normal inputs, each with the runner's
-   data-flow log (which of its Triton launches the output needs);
+   data-flow log (which of its Triton launches the output needs), and among them, at a random
+   place, the decoy call (`check_decoy`: its Triton launches made over empty grids);
 9. `time_interleaved`: twin and runner called in turn on the same inputs; the runner's CUDA-event
    times count only when they agree with this process's clock, and outputs of calls picked
    afterwards are checked;
 10. `profile`: the runner's kernel trace, classified here by the kernels the candidate's source
    declares and weighed by the data flow (the Triton share of useful device time);
-11. `check_decoy`: the candidate once more with its Triton launches made over empty grids;
-12. `final`: the runner's last integrity report; the runner is then killed.
+11. `final`: the runner's last integrity report; the runner is then killed.
+
+Every input is drawn from a fresh seed (`fresh_seed`); after each candidate call no process of
+the candidate's may be left and the scheduling of the job's processes must be as it was.
 
 On a GPU shared by several evaluations (`gpushare.DeviceLock`) the phases in a tuple of `GROUP`
 and `CANDIDATE` run in one hold of the GPU alone, which starts only once the GPU is idle; every
@@ -74,9 +77,11 @@ class Call:
 
 @dataclasses.dataclass
 class Flow:
-    """What the data-flow logs of the checked calls said, per candidate kernel name."""
+    """What the data-flow logs of the checked calls said, per candidate kernel name: launches,
+    launches the output needed, and the most launches in one call."""
     launches: dict[str, int] = dataclasses.field(default_factory=dict)
     needed: dict[str, int] = dataclasses.field(default_factory=dict)
+    most: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def fractions(self) -> dict[str, float]:
         return {k: self.needed.get(k, 0) / n for k, n in self.launches.items() if n}
@@ -107,6 +112,7 @@ class Reference:
     bandwidth: float | None = None
     overhead_ms: float = 0.0
     outputs: dict = dataclasses.field(default_factory=dict)  # (seed, signed) -> the reference's output
+    trial_seeds: list[int] = dataclasses.field(default_factory=list)  # the group's correctness trials
     cached_bytes: int = 0
     clock: float = 0.0
     gpu: Any = None  # gpushare.DeviceLock of this GPU
@@ -143,6 +149,7 @@ class Judge:
     launched: set = dataclasses.field(default_factory=set)  # the candidate's kernels seen launching
     flow: Flow = dataclasses.field(default_factory=Flow)
     honest_extra: float = 0.0  # the judge's clock over the reference's own time, per ms (`_honest_extra`)
+    sched: dict = dataclasses.field(default_factory=dict)  # pid -> `_sched_of`, before any candidate code
 
     @property
     def cfg(self) -> EvalConfig:
@@ -178,6 +185,12 @@ class Judge:
 # ======================================================================================
 # Inputs, references, calls
 # ======================================================================================
+
+def fresh_seed() -> int:
+    """The seed of one call's inputs, drawn from the OS: a candidate that learns one call's seed
+    (the runner seeds its RNG with it) cannot predict another call's inputs or tell its kind."""
+    return random.SystemRandom().randrange(1, 2**31)
+
 
 def _sync(device) -> None:
     import torch
@@ -314,10 +327,52 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
 
 
 def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False, keep: bool = False) -> Call:
+    """One call of the candidate, then what it may have left behind: no process of its may outlive
+    the call, and the scheduling of the job's processes is as it was."""
     t = _perf()
+    before = _scheduling(j)
     c = call(j.ref, j.runner, seed, mode, signed, keep)
     j.spend("candidate", t)
+    _check_processes(j, f"a {mode} call")
+    _check_scheduling(j, before)
     return c
+
+
+def _sched_of(pid: int) -> tuple | None:
+    """(policy, nice, CPU set) of a process; None once it is gone."""
+    try:
+        return os.sched_getscheduler(pid), os.getpriority(os.PRIO_PROCESS, pid), frozenset(os.sched_getaffinity(pid))
+    except OSError:
+        return None
+
+
+def _scheduling(j: Judge) -> dict[int, tuple | None]:
+    """The scheduling of every process of the job a runner can reach: its own, the reference
+    twin's (timed beside it) and the other candidates' runners."""
+    return {pid: _sched_of(pid) for pid in (j.runner.pid, j.ref.twin.pid, *j.runner.siblings)}
+
+
+def _check_scheduling(j: Judge, before: dict[int, tuple | None]) -> None:
+    """Policy and nice as before the candidate existed, CPU sets as before the request: a
+    candidate that renices or moves the twin (or itself, or another candidate) changes what
+    the timing compares. What it changed is put back for the group's later candidates."""
+    for pid, now in _scheduling(j).items():
+        base, prev = j.sched.get(pid), before.get(pid)
+        if now is None or base is None or prev is None or (now[:2] == base[:2] and now[2] == prev[2]):
+            continue
+        _restore_sched(pid, base[:2] + prev[2:])
+        code = "global_state_changed" if pid == j.runner.pid else "reference_slowed"
+        j.hack(code, f"the candidate changed the scheduling of process {pid} "
+                     f"({'its own' if pid == j.runner.pid else 'another of the job'}): {prev} -> {now}")
+
+
+def _restore_sched(pid: int, state: tuple) -> None:
+    policy, nice, cores = state
+    with contextlib.suppress(OSError):
+        os.sched_setscheduler(pid, policy, os.sched_param(0))
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, pid, nice)
+    _set_affinity(pid, set(cores))
 
 
 def committed(r: Reference, c: Call):
@@ -366,7 +421,8 @@ def setup(r: Reference) -> None:
         if r.device.index is None:
             r.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(r.device)
-    r.seed = r.cfg.seed
+    r.seed = r.cfg.seed  # the weights' seed; every call's inputs get a `fresh_seed`
+    r.trial_seeds = [fresh_seed() for _ in range(r.cfg.trials + 2)]  # shared by the group (cached outputs)
     r.perf_n = r.cfg.perf_trials if r.cuda else r.cfg.cpu_perf_trials
     _init_runner(r, r.twin, os.path.join(r.twin.dir, "reference.py"))  # CUDA starts there meanwhile
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -468,7 +524,7 @@ def calibrate(r: Reference) -> None:
     """Null calls through the twin (a runner of the same kind as the candidates', holding no model
     yet): what the judge's clock adds to a runner's own time per call (messages, the commit copy,
     the sync, stopping it)."""
-    r.overhead_ms = median([_residual_ms(r, r.seed + 900000 + i) for i in range(10 if r.cuda else 3)])
+    r.overhead_ms = median([_residual_ms(r, fresh_seed()) for _ in range(10 if r.cuda else 3)])
     r.details["clock_overhead_ms"] = r.overhead_ms
     r.mark("calibrate")
 
@@ -490,12 +546,12 @@ def load_twin(r: Reference) -> None:
         if "error" in reply:
             raise Stop("reference_error", "the reference failed in its timing process: " + str(reply["error"])[:600])
         for i in range(max(1, r.cfg.warmup)):
-            call(r, r.twin, r.seed + 200000 + i, "warm")
+            call(r, r.twin, fresh_seed(), "warm")
     r.mark("load_twin")
 
 
 def time_reference_alone(r: Reference) -> None:
-    r.ref_alone_ms = _reference_alone_ms(r, r.seed + 100000)
+    r.ref_alone_ms = _reference_alone_ms(r)
     r.bandwidth = _copy_bandwidth(r.device) if r.cuda else None
     r.details["ref_ms_isolated"] = r.ref_alone_ms
     r.details["io_bytes"] = r.io_bytes
@@ -516,11 +572,13 @@ def _twin_ms(r: Reference, seed: int) -> tuple[float, float]:
     return ms, c.wall_ms
 
 
-def _reference_alone_ms(r: Reference, seed: int) -> float:
+
+
+def _reference_alone_ms(r: Reference) -> float:
     """The reference's median time over `ref_isolated_trials` calls of the twin alone."""
     with _pinned(r, r.twin):
         n = max(1, min(r.perf_n, r.cfg.ref_isolated_trials))
-        return median([_twin_ms(r, seed + i)[0] for i in range(n)])
+        return median([_twin_ms(r, fresh_seed())[0] for _ in range(n)])
 
 
 def _copy_bandwidth(device) -> float | None:
@@ -549,6 +607,7 @@ def _copy_bandwidth(device) -> float | None:
 
 def attach_runner(j: Judge) -> None:
     j.details["confinement"] = _attach(j.ref, j.runner)
+    j.sched = _scheduling(j)
     j.mark("attach_runner")
 
 
@@ -583,6 +642,7 @@ def load_candidate(j: Judge) -> None:
         raise Stop("runtime_error", "ModelNew(*get_init_inputs()) failed (constructor must match Model's): "
                    + str(reply["error"])[:1200])
     _check_processes(j, "after import")
+    _check_scheduling(j, j.sched)
     j.mark("load_candidate")
 
 
@@ -612,16 +672,23 @@ def _trial_hacks(j: Judge, ti: int, c: Call) -> None:
     j.launched |= own
 
 
-def _judge_flow(j: Judge, ti: int, flow: Any) -> None:
+def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str]) -> None:
     """The call's data-flow log replayed here: some launch of the candidate's own kernels must
     have written what the output is made of (else `decoy_kernel`); per kernel, the share of its
-    launches that did weighs its device time in the profile."""
+    launches that did weighs its device time in the profile. A log cut short is no evidence, and
+    its launches must be those the launch record `reported`."""
     try:
         events = [dataflow.Event.from_list(e) for e in flow["events"]]
         outputs = [int(k) for k in flow["outputs"]]
         truncated = bool(flow["truncated"])
     except (TypeError, KeyError, ValueError):
         j.hack("forged_reply", f"trial {ti}: a malformed data-flow log")
+    if truncated:
+        j.hack("decoy_kernel", f"trial {ti}: forward ran more than {dataflow.MAX_EVENTS} ops: what the output "
+                               "needs cannot be told")
+    if {e.kernel for e in events if e.kernel in j.kernels} != reported:
+        j.hack("forged_reply", f"trial {ti}: the launch record ({sorted(reported)}) and the data-flow log "
+                               "disagree on which of the candidate's kernels ran")
     stores = {name: k.stores for name, k in j.kernels.items()}
     needed = dataflow.needed_launches(events, outputs, stores)
     launches = [e for e in events if e.kernel is not None]
@@ -629,7 +696,9 @@ def _judge_flow(j: Judge, ti: int, flow: Any) -> None:
     for name, n in mine:
         j.flow.launches[name] = j.flow.launches.get(name, 0) + 1
         j.flow.needed[name] = j.flow.needed.get(name, 0) + int(n)
-    if mine and not truncated and outputs and not any(n for _, n in mine):
+    for name in {name for name, _ in mine}:
+        j.flow.most[name] = max(j.flow.most.get(name, 0), sum(1 for m, _ in mine if m == name))
+    if mine and outputs and not any(n for _, n in mine):
         j.hack("decoy_kernel", f"trial {ti}: no launch of the candidate's Triton kernels wrote anything the output "
                                "is made of (torch computed it)")
 
@@ -677,16 +746,26 @@ def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, deg
 
 
 def check_correctness(j: Judge) -> None:
+    """The trials in order, uniform then signed-normal inputs, with the decoy call at a random place
+    among the last kind's: a candidate that answers differently when it guesses the decoy fails
+    trials as often."""
     n = j.cfg.trials
     n_signed = (2 if n >= 4 else 1) if j.cfg.second_distribution else 0
-    plan = [(j.ref.seed + 1 + i, False) for i in range(n)] + [(j.ref.seed + 5000 + i, True) for i in range(n_signed)]
+    seeds = j.ref.trial_seeds
+    plan = [(seeds[i], False) for i in range(n)] + [(seeds[n + i], True) for i in range(n_signed)]
+    pick = random.SystemRandom()
+    decoy_at = (n + pick.randrange(n_signed + 1)) if n_signed else pick.randrange(n + 1)
     # The degenerate check (two passes over multi-GB outputs) runs on every signed trial, where
     # trivial answers differ most from the reference, on one uniform trial the candidate cannot
     # predict, and on a failing trial (the last one).
-    checked = set(range(n, n + n_signed)) | {random.SystemRandom().randrange(max(1, n))}
+    checked = set(range(n, n + n_signed)) | {pick.randrange(max(1, n))}
     for ti, (seed, signed) in enumerate(plan):
+        if ti == decoy_at:
+            check_decoy(j, signed=n_signed > 0)
         with _shared(j.ref):
             _trial(j, ti, seed, signed, degenerate=ti in checked)
+    if decoy_at == len(plan):
+        check_decoy(j, signed=n_signed > 0)
     j.details["launched_kernels"] = sorted(j.launched)
     j.details["needed_fraction"] = {k: round(v, 3) for k, v in j.flow.fractions().items()}
     j.mark("correctness")
@@ -703,7 +782,7 @@ def _trial(j: Judge, ti: int, seed: int, signed: bool, degenerate: bool) -> None
     j.spend("mutations", t)
     j.raise_hacks()
     if j.cfg.require_triton:
-        _judge_flow(j, ti, c.reply.get("flow"))
+        _judge_flow(j, ti, c.reply.get("flow"), _own_kernels(j, c.reply.get("kernels")))
     if signed and not all(compare.all_finite(x) for x in compare.tensors(ref) if x.is_floating_point()):
         j.details.setdefault("trials", []).append({"trial": ti, "signed": True, "skipped": "reference not finite"})
         return
@@ -928,11 +1007,11 @@ def time_interleaved(j: Judge) -> None:
     r = j.ref
     with _pinned(r, r.twin, j.runner):
         for i in range(max(1, j.cfg.warmup)):
-            call_candidate(j, r.seed + 200000 + i, "warm")
+            call_candidate(j, fresh_seed(), "warm")
         ref_ms, ref_walls, events, walls = _timed_pairs(j)
     j.honest_extra = _honest_extra(r, ref_ms, ref_walls)
     j.details["reference_clock_extra_per_ms"] = j.honest_extra
-    _record_speed(j, ref_ms, events, walls)
+    _record_speed(j, ref_ms, ref_walls, events, walls)
     j.mark("timing")
 
 
@@ -944,7 +1023,7 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
     checked = pick.randrange(block)
     ref_ms, ref_walls, events, walls = [], [], [], []
     for i in range(r.perf_n):
-        seed = r.seed + 300000 + i
+        seed = fresh_seed()
         for side in (("ref", "cand") if i % 2 == 0 else ("cand", "ref")):
             if side == "ref":
                 e, w = _twin_ms(r, seed)
@@ -961,9 +1040,13 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
     return ref_ms, ref_walls, events, walls
 
 
-def _record_speed(j: Judge, ref_ms: list[float], events: list[float], walls: list[float]) -> None:
+def _record_speed(j: Judge, ref_ms: list[float], ref_walls: list[float], events: list[float],
+                  walls: list[float]) -> None:
+    cand_ms = _accepted_ms(j, events, walls)  # a runner's time this clock disagrees with is flagged
+    if not j.ref.cuda:  # a runner's wall clock is candidate code's to rewrite: this clock counts, for both
+        ref_ms, events = ref_walls, walls
+        cand_ms = median(events)
     j.out.ref_ms = median(ref_ms)
-    cand_ms = _accepted_ms(j, events, walls)
     _check_reference_slowed(j)
     j.out.candidate_ms = _roofline(j, cand_ms)
     j.out.speedup = j.out.ref_ms / j.out.candidate_ms if j.out.candidate_ms > 0 else None
@@ -985,7 +1068,7 @@ def _check_reference_slowed(j: Judge) -> None:
     if not r.cuda or j.out.ref_ms <= _slowed_limit(j, r.ref_alone_ms):
         return
     idle = r.gpu is None or _wait_idle(r)
-    again = _reference_alone_ms(r, r.seed + 700000)
+    again = _reference_alone_ms(r)
     j.details["ref_ms_retimed"] = again
     if not idle or j.out.ref_ms > _slowed_limit(j, again):
         j.hack("reference_slowed", f"the reference took {j.out.ref_ms:.4f} ms next to the candidate vs "
@@ -1006,7 +1089,7 @@ def _roofline(j: Judge, cand_ms: float) -> float:
     fast = roof is not None and cand_ms < j.cfg.roofline_factor * roof
     if not fast and not (cand_ms > 0 and j.out.ref_ms / cand_ms > j.cfg.max_speedup_recheck):
         return cand_ms
-    times = [_candidate_ms(j, r.seed + 400000 + i, f"re-timed call {i}", True) for i in range(min(r.perf_n, 10))]
+    times = [_candidate_ms(j, fresh_seed(), f"re-timed call {i}", True) for i in range(min(r.perf_n, 10))]
     j.details["recheck_ms"] = _accepted_ms(j, [e for e, _ in times], [w for _, w in times])
     cand_ms = max(cand_ms, j.details["recheck_ms"])
     if roof is not None and cand_ms < j.cfg.roofline_factor * roof:
@@ -1020,30 +1103,56 @@ def _roofline(j: Judge, cand_ms: float) -> float:
 
 def profile(j: Judge) -> None:
     """The share of device time in the candidate's own Triton kernels that do work the output
-    needs. The runner's kernel trace is classified here, by the kernels the candidate's source
-    declares, and believed only as far as this clock allows: the trace cannot hold more device
-    time than the profiled calls took."""
+    needs, from `_PROFILED_CALLS` calls on fresh inputs, each verified like a checked call (a
+    candidate that answers otherwise under the profiler is caught). The runner's kernel traces are
+    classified here, by the kernels the candidate's source declares, and believed only as far as
+    the judge can check them (`_profile_doubt`)."""
     r = j.ref
     if not (r.cuda and j.cfg.profile):
         j.mark("profiling")
         return
-    _write_inputs(r, gen_inputs(r, r.seed + 500000))
-    _sync(r.device)
-    t0 = _perf()
-    reply = j.runner.ask({"op": "profile", "calls": 5})
-    wall_ms = (_perf() - t0) * 1e3
-    if "error" in reply:
-        j.details["profile_error"] = str(reply["error"])[:300]
-    rows = _profile_rows(reply)
+    rows, wall_ms = [], 0.0
+    try:
+        for i in range(_PROFILED_CALLS):
+            c = call_candidate(j, fresh_seed(), "profile", keep=True)
+            verify(j, c, f"profiled call {i}")
+            rows += _profile_rows(c.reply)
+            wall_ms += c.wall_ms
+    except Stop as err:  # the profiler failed, or the candidate under it: no share
+        j.details["profile_error"] = err.error[:300]
+        rows = []
     if rows:
         summary = profiling.summarize_kernels(rows, set(j.kernels), j.flow.fractions())
-        if summary["total_device_ms"] > wall_ms:
-            j.details["profile_rejected"] = (f"the trace claims {summary['total_device_ms']:.3f} ms of device time "
-                                             f"in {wall_ms:.3f} ms")
+        doubt = _profile_doubt(j, summary, rows, wall_ms)
+        if doubt:
+            j.details["profile_rejected"] = doubt
         else:
             j.out.triton_time_share = summary["triton_time_share"]
             j.out.kernels = summary["kernels"]
     j.mark("profiling")
+
+
+_PROFILED_CALLS = 3
+
+
+def _profile_doubt(j: Judge, summary: dict, rows: list[tuple[str, int, float]], wall_ms: float) -> str | None:
+    """Why the traces cannot be believed, if they cannot: more device time than the calls took on
+    this clock; a kernel of the candidate's launched more often a call than in any checked call;
+    or its kernels busier a call than its whole timed call."""
+    if summary["total_device_ms"] > wall_ms:
+        return f"the traces claim {summary['total_device_ms']:.3f} ms of device time in {wall_ms:.3f} ms"
+    own_us = 0.0
+    for name, calls, us in rows:
+        name = name.strip()
+        if name in j.kernels:
+            own_us += max(us, 0.0)
+            if calls > _PROFILED_CALLS * j.flow.most.get(name, 0):
+                return f"{name} launched {calls} times in {_PROFILED_CALLS} profiled calls, at most " \
+                       f"{j.flow.most.get(name, 0)} a checked call"
+    per_call = own_us / 1e3 / _PROFILED_CALLS
+    if j.out.candidate_ms and per_call > 1.5 * j.out.candidate_ms + j.cfg.clock_slack_ms:
+        return f"the candidate's kernels took {per_call:.4f} ms a profiled call, its timed calls {j.out.candidate_ms:.4f} ms"
+    return None
 
 
 def _profile_rows(reply: dict) -> list[tuple[str, int, float]]:
@@ -1058,22 +1167,21 @@ def _profile_rows(reply: dict) -> list[tuple[str, int, float]]:
     return rows
 
 
-def check_decoy(j: Judge) -> None:
+def check_decoy(j: Judge, signed: bool) -> None:
     """The candidate with every launch of its own Triton kernels made over an empty grid (compiled,
-    Triton's hooks run, nothing executes), on signed-normal inputs: still right means the kernels
-    were not needed for the output."""
+    Triton's hooks run, logged as usual, nothing executes): still right means the kernels were not
+    needed for the output."""
     if not j.cfg.require_triton:
         return
     with _shared(j.ref):
         try:
-            c = call_candidate(j, j.ref.seed + 600000, "noop", signed=True, keep=True)
+            c = call_candidate(j, fresh_seed(), "noop", signed=signed, keep=True)
         except Stop:
             return  # it failed without its kernels: they were needed
         ok = c.output is not None and compare.compare(
             c.output, run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed), j.cfg).ok
     if ok:
         j.hack("decoy_kernel", "the output is still correct with every candidate Triton launch skipped")
-    j.mark("decoy_check")
 
 
 def final(j: Judge) -> None:
@@ -1090,7 +1198,7 @@ def final(j: Judge) -> None:
 
 # In order; the phases of a tuple run in one hold of the GPU alone (their numbers enter the verdict).
 GROUP = (setup, start_twin, (calibrate,), load_twin, (time_reference_alone,))
-CANDIDATE = (attach_runner, load_candidate, check_correctness, (time_interleaved, profile), check_decoy, final)
+CANDIDATE = (attach_runner, load_candidate, check_correctness, (time_interleaved, profile), final)
 
 
 def _run(phases: tuple, state, r: Reference, alone_key: str) -> None:

@@ -1,8 +1,8 @@
 """Device-time share of the candidate's own Triton kernels that do work its output needs (the
 paper's profiling-based reward, PR).
 
-The runner runs a forward a few times under `torch.profiler` (`profile_cuda`) and sends the raw
-kernel trace, one (name, launches, µs) row per device kernel name (memcpy/memset included). The
+The runner runs one forward under `torch.profiler` (`profile_cuda`), commits its output like any
+call's (the judge verifies it) and sends the raw kernel trace, one (name, launches, µs) row per device kernel name (memcpy/memset included). The
 judge classifies the rows (`summarize_kernels`) into
 
 - `candidate`: kernels launched from the candidate's own `@triton.jit` functions, as the judge
@@ -149,19 +149,15 @@ def _rows(events: list[tuple[str, float]]) -> list[tuple[str, int, float]]:
     return [tuple(r) for r in per.values()]
 
 
-def profile_cuda(fn: Callable[[], Any], calls: int = 5, warmup: int = 1) -> list[tuple[str, int, float]] | None:
-    """The device kernels of `calls` calls of `fn` under torch.profiler, as (name, launches, µs)
-    rows; None without CUDA. A failure of `fn` or of the profiler propagates (the runner reports
-    it as the profile's error)."""
+def profile_cuda(fn: Callable[[], Any]) -> tuple[Any, list[tuple[str, int, float]] | None]:
+    """One call of `fn` under torch.profiler: its result, and the device kernels it ran as (name,
+    launches, µs) rows (None without CUDA). A failure of `fn` or of the profiler propagates."""
     import torch
     if not torch.cuda.is_available():
-        return None
+        return fn(), None
     from torch.profiler import ProfilerActivity, profile
-    for _ in range(max(0, warmup)):
-        fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(max(1, calls)):
-            fn()
-            torch.cuda.synchronize()
-    return _rows(_device_events(prof))
+        out = fn()
+        torch.cuda.synchronize()
+    return out, _rows(_device_events(prof))

@@ -9,9 +9,9 @@ one socket and sees the judge's arena (inputs and output slots, `drkernel.ipc`).
    installed and the integrity snapshot taken; `null` calls (a trusted stand-in forward) let the
    judge calibrate its clock against this process before any candidate code exists;
 4. `load`: the candidate imported and `ModelNew(*get_init_inputs())` built under the reference's seed;
-5. `call` (modes check / warm / time / noop), `profile`, `final`: forward on the inputs the judge
+5. `call` (modes check / warm / time / noop / profile), `final`: forward on the inputs the judge
    wrote, under the call's seed (as the judge runs the reference), the output committed into the
-   judge's slots, and facts sent back.
+   judge's slots, and facts sent back (a profiled call's kernel trace among them).
 
 Every reply echoes the request's nonce and carries a digest of this process's evidence machinery
 (launch hook, data-flow log, integrity checks) keyed by that nonce. Everything sent back is still
@@ -22,6 +22,7 @@ process between requests (docs/security.md).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import json
@@ -49,7 +50,8 @@ class LaunchRecorder:
     """Wraps Triton's launch entry points for the candidate's own kernels. Per call it records the
     real launches (a launch over an empty grid runs nothing and is no launch) and, when a data-flow
     log is attached, their tensor arguments by parameter. In noop mode each launch is made with an
-    empty grid: the kernel is compiled and Triton's hooks run, but no program executes."""
+    empty grid: the kernel is compiled and Triton's hooks run, but no program executes; it is
+    recorded and logged as it would be otherwise, so that the log does not tell the modes apart."""
 
     def __init__(self, candidate_file: str):
         self.candidate_file = os.path.realpath(candidate_file)
@@ -92,7 +94,7 @@ class LaunchRecorder:
     def _launch(self, orig, kernel, args: tuple, kwargs: dict, grid):
         bound = self._bind(kernel, args, kwargs)
         grid = concrete_grid(grid, bound)
-        real = bool(grid) and all(g > 0 for g in grid) and not self.noop
+        real = bool(grid) and all(g > 0 for g in grid)
         if self.flow is not None:
             self.flow.paused += 1  # Triton's interpreter moves its arguments with torch ops
         try:
@@ -161,6 +163,7 @@ class Runner:
         self.evidence_state = ""
         self.threads0: set[int] = set()
         self.prev_out: Any = None
+        self.generators: list = []  # torch's default generators, bound before any candidate code
 
     # ---- setup --------------------------------------------------------------------------
 
@@ -172,6 +175,7 @@ class Runner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             torch.empty(1, device=self.device)  # CUDA must exist before Landlock (error 304 otherwise)
+        self.generators = [torch.default_generator, *(torch.cuda.default_generators if self.device.type == "cuda" else ())]
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
@@ -197,7 +201,7 @@ class Runner:
         with torch.no_grad():
             self.snapshot = integrity.IntegritySnapshot(extra=self.watched)
         self.threads0 = integrity.python_threads()
-        self.evidence_state = _describe_state(self.watched)
+        self.evidence_state = self.describe()
         _forget_harness_modules()
         return {"ok": True, "confinement": self.report.to_dict(), "evidence_state": self.evidence_state}
 
@@ -233,17 +237,25 @@ class Runner:
             return {"error": "null calls calibrate before the candidate exists"}
         forward = _NullForward(self.slots) if mode == "null" else self.model
         flow = dataflow.FlowLog(self.keys) if mode in ("check", "noop") else None
-        self.torch.manual_seed(int(msg["seed"]))  # as the judge seeds the reference's forward
+        for g in self.generators:  # as the judge seeds the reference's forward; `torch.manual_seed`
+            g.manual_seed(int(msg["seed"]))  # would also call backends a candidate can register
         self.recorder.begin(noop=mode == "noop", flow=flow)
+        rows = None
         try:
             with self.torch.no_grad():  # the snapshot was taken in no_grad: compare in the same mode
-                ms, out = self._timed(forward, flow)
+                if mode == "profile":
+                    ms = 0.0  # the judge times nothing profiled
+                    out, rows = profiling.profile_cuda(functools.partial(forward, *self.inputs))
+                else:
+                    ms, out = self._timed(forward, flow)
                 findings = self.integrity("call") if mode == "check" else []
         except BaseException as exc:  # noqa: BLE001
             self.recorder.end()
             return {"error": _describe(exc)}
         names = self.recorder.end()
         reply = {"ms": ms, "launches": len(names), "kernels": sorted(set(names)), **self._commit(out)}
+        if rows is not None:
+            reply["profile"] = {"rows": rows}
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
         if flow is not None:
@@ -311,23 +323,6 @@ class Runner:
             found.append(["thread_spawned", f"{where}: {len(threads)} new Python thread(s) alive"])
         return found
 
-    def profile(self, msg: dict) -> dict:
-        """Device kernels of a few profiled calls, as (name, launches, total µs) rows; the judge
-        classifies and weighs them."""
-        try:
-            rows = profiling.profile_cuda(self._profiled_call, calls=int(msg.get("calls", 5)))
-        except BaseException as exc:  # noqa: BLE001
-            return {"error": _describe(exc)}
-        return {"profile": {"rows": rows, "calls": int(msg.get("calls", 5))}}
-
-    def _profiled_call(self) -> None:
-        self.recorder.begin()
-        try:
-            with self.torch.no_grad():
-                self.model(*self.inputs)
-        finally:
-            self.recorder.end()  # else the launch hook keeps every profiled call's tensors alive
-
     def final(self, msg: dict) -> dict:
         with self.torch.no_grad():
             findings = self.integrity("final")
@@ -337,12 +332,35 @@ class Runner:
     def handle(self, msg: dict) -> dict:
         op = msg.get("op")
         handler = {"init": self.init, "attach": self.attach, "load": self.load, "call": self.call,
-                   "profile": self.profile, "final": self.final}.get(op)
+                   "final": self.final}.get(op)
         return handler(msg) if handler is not None else {"error": f"unknown op {op!r}"}
+
+    def describe(self) -> str:
+        """The evidence machinery as it is now: the watched functions and classes, and the objects
+        that hold it (an attribute set on one of them would shadow its class's method)."""
+        objects = {"runner": (self, _RUNNER_FIXED), "recorder": (self.recorder, _RECORDER_FIXED),
+                   "snapshot": (self.snapshot, ())}
+        return _describe_state(self.watched) + "\n" + _describe_objects(objects)
 
     def evidence(self, nonce: str) -> str | None:
         """A digest of the evidence machinery as it is now, keyed by the request's nonce."""
-        return evidence_digest(nonce, _describe_state(self.watched)) if self.watched else None
+        return evidence_digest(nonce, self.describe()) if self.watched else None
+
+
+# what stays the same object from the integrity snapshot on (per-call state such as the model,
+# the launch names or the data-flow log is replaced as it should be)
+_RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "structure", "snapshot", "watched",
+                 "threads0", "generators", "job_dir", "candidate", "report")
+_RECORDER_FIXED = ("candidate_file", "_mine", "_signatures", "installed", "expected_stream")
+
+
+def _describe_objects(objects: dict[str, tuple[Any, tuple[str, ...]]]) -> str:
+    """Each object's class, attribute names and the identities of its `fixed` attributes."""
+    parts = []
+    for label, (obj, fixed) in objects.items():
+        attrs = vars(obj)
+        parts.append(f"{label}:{id(type(obj))}:{sorted(attrs)}:{[id(attrs.get(k)) for k in fixed]}")
+    return "\n".join(parts)
 
 
 def _forget_harness_modules() -> None:

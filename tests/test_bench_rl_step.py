@@ -121,5 +121,6 @@ def test_tiny_replay_step_evaluates_real_candidates(tmp_path, monkeypatch, fresh
     assert step["n_evaluated"] == 2 and step["evaluate_s"] > 0
     assert sum(step["replayed"].values()) == 2 and "not a candidate" not in step["replayed"]
     assert sum(step["verdicts"].values()) == 2 and "turn1:format_error" not in step["verdicts"]
-    assert step["truncated"] == 0 and step["update_samples"] == 2
+    # on a CPU no turn has a profile: PRS drops the correct ones from the update
+    assert step["truncated"] == 0 and step["update_samples"] == 2 - step["verdicts"].get("turn1:correct", 0)
     assert sum(step["phases_s"].values()) == pytest.approx(step["step_s"], rel=1e-6)

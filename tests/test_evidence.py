@@ -215,3 +215,45 @@ def test_the_evaluator_refuses_to_start_unconfined_unless_told(monkeypatch):
     with pytest.raises(ConfinementError, match="Landlock unavailable.*require_confinement"):
         Evaluator(cfg())
     Evaluator(cfg(require_confinement=False)).close()
+
+
+def _flow_judge() -> judge.Judge:
+    from drkernel.triton_source import Kernel
+    j = judge.Judge(ref=_reference(), runner=Channel(sock=-1, pid=0, dir=""), candidate_path="")
+    j.kernels = {"scratch_kernel": Kernel("scratch_kernel", ("x_ptr", "out_ptr"), frozenset({"out_ptr"}))}
+    return j
+
+
+def test_a_data_flow_log_cut_short_is_no_evidence():
+    """A launch that wrote only a scratch buffer (key 5) while torch wrote the output (key 9): a
+    log marked truncated must not spare the candidate the replay's verdict."""
+    log = {"events": [judge.dataflow.Event("scratch_kernel", kernel="scratch_kernel", args=[("out_ptr", 5)]).to_list(),
+                      judge.dataflow.Event("relu", reads=[1], fresh=[9]).to_list()], "outputs": [9]}
+    with pytest.raises(Hacked) as err:
+        judge._judge_flow(_flow_judge(), 0, {**log, "truncated": True}, {"scratch_kernel"})
+    assert err.value.code == "decoy_kernel" and "cannot be told" in err.value.detail
+
+
+def test_the_launch_record_must_match_the_data_flow_log():
+    log = {"events": [judge.dataflow.Event("relu", reads=[1], fresh=[9]).to_list()], "outputs": [9], "truncated": False}
+    with pytest.raises(Hacked) as err:  # a launch reported that the log never saw
+        judge._judge_flow(_flow_judge(), 0, log, {"scratch_kernel"})
+    assert err.value.code == "forged_reply"
+
+
+def test_a_profile_that_disagrees_with_the_checked_calls_is_not_believed():
+    """Profiled calls are verified like checked ones; what their traces claim must also fit what
+    the judge saw: no more launches a call than a checked call made, no more kernel time than a
+    whole timed call took."""
+    j = _flow_judge()
+    j.flow.most = {"scratch_kernel": 1}
+    j.out.candidate_ms = 1.0
+    calls = judge._PROFILED_CALLS
+    honest = [("scratch_kernel", calls, 900.0 * calls), ("ampere_sgemm", calls, 50.0)]
+    summary = judge.profiling.summarize_kernels(honest, set(j.kernels))
+    assert judge._profile_doubt(j, summary, honest, wall_ms=10.0 * calls) is None
+    busier = [("scratch_kernel", 50 * calls, 900.0 * calls)]
+    assert "launched" in judge._profile_doubt(j, summary, busier, wall_ms=10.0 * calls)
+    slower = [("scratch_kernel", calls, 5000.0 * calls)]
+    assert "timed calls" in judge._profile_doubt(j, summary, slower, wall_ms=100.0 * calls)
+    assert "claim" in judge._profile_doubt(j, summary, honest, wall_ms=0.5)

@@ -37,7 +37,7 @@ def test_grouped_and_one_at_a_time_give_the_same_verdicts():
     assert sizes[0] == 6 and sizes[2] == 2, sizes  # six ReLU candidates judged in one job, two Matmul ones
     assert all(s in (1, None) for s in (r.details.get("overhead_s", {}).get("group") for r in alone))
     for r in grouped[3:5]:  # stopped in correctness: no phase of an earlier candidate of its job
-        assert "timing" not in r.details["phase_s"] and "decoy_check" not in r.details["phase_s"], r.details["phase_s"]
+        assert "timing" not in r.details["phase_s"] and "profiling" not in r.details["phase_s"], r.details["phase_s"]
 
 
 def test_a_noisy_timing_says_it_is_imprecise():
