@@ -16,7 +16,12 @@ Layers, each recorded in a `Confinement` report (the judge copies it to
     domain (ABI >= 6). A Landlock domain also cannot ptrace processes outside it, so the judge's
     memory and descriptors (`/proc/<pid>/mem`, `/proc/<pid>/fd/*`) are out of reach;
   * every capability dropped (effective, permitted, inheritable, bounding set), so even as root
-    the runner cannot ptrace, mount, change namespaces back or override file permissions.
+    the runner cannot ptrace, mount, change namespaces back or override file permissions;
+  * a seccomp filter (all threads): the calls that set another process's resource limits,
+    priority, scheduling, CPU set or I/O priority (`prlimit64`, `setpriority`, `sched_set*`,
+    `ioprio_set`) are refused (EPERM) unless they name this process; Landlock does not cover
+    them, and a runner could otherwise blind the judge (its open-file limit) or slow the
+    reference and the other candidates of its job. Other architectures' calls are refused.
 
 A mechanism the kernel lacks is reported as missing, never faked; `EvalConfig.require_confinement`
 decides whether the evaluation then runs.
@@ -54,12 +59,13 @@ class Confinement:
     tcp_denied: bool = False
     signals_scoped: bool = False
     capabilities_dropped: bool = False
+    own_process_only: bool = False  # the seccomp filter on calls that change other processes
     errors: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def complete(self) -> bool:
         return (self.network_namespace and self.no_new_privs and self.fs_writes_confined
-                and self.tcp_denied and self.capabilities_dropped)
+                and self.tcp_denied and self.capabilities_dropped and self.own_process_only)
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "complete": self.complete}
@@ -213,6 +219,63 @@ def restrict(job_dir: str, report: Confinement, hidden: list[str] | tuple[str, .
         report.errors.append(_errno_text("PR_SET_NO_NEW_PRIVS"))
     _landlock(os.path.realpath(job_dir), report, list(hidden))
     _drop_capabilities(report)
+    _own_process_only(report)
+
+
+# (audit arch, seccomp syscall, {syscall: (index of the pid argument, index of a `which`
+# argument that must be "a process", its value)}) per architecture (asm/unistd_64.h)
+_SECCOMP_ARCHES = {
+    "x86_64": (0xC000003E, 317, {302: (0, None, 0), 141: (1, 0, 0), 142: (0, None, 0), 144: (0, None, 0),
+                                 203: (0, None, 0), 314: (0, None, 0), 251: (1, 0, 1)}),
+    "aarch64": (0xC00000B7, 277, {261: (0, None, 0), 140: (1, 0, 0), 118: (0, None, 0), 119: (0, None, 0),
+                                  122: (0, None, 0), 274: (0, None, 0), 30: (1, 0, 1)}),
+}
+_ALLOW, _EPERM = 0x7FFF0000, 0x00050001  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+_LD, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int) -> list[tuple[int, int, int, int]]:
+    """The filter as (code, jt, jf, k) (a jump's offsets count from the next instruction): another
+    architecture's calls and x32 ones refused; each guarded call allowed only when its `which`
+    argument (if any) says a process and its pid argument is 0 or `pid`; everything else allowed.
+    Arguments are read by their low 32 bits (offset 16 + 8 i of `struct seccomp_data`)."""
+    head = [(_LD, 0, 0, 4), (_JEQ, 1, 0, arch), (_RET, 0, 0, _EPERM),
+            (_LD, 0, 0, 0), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _EPERM)]
+    blocks: list[tuple[int, int, int, int]] = []
+    dispatch = []
+    for j, (nr, (pid_arg, which_arg, which)) in enumerate(guarded.items()):
+        # from this jump (j-th of len(guarded)), past the rest of them and the final allow
+        dispatch.append((_JEQ, len(guarded) - j + len(blocks), 0, nr))
+        if which_arg is not None:
+            blocks += [(_LD, 0, 0, 16 + 8 * which_arg), (_JEQ, 0, 3, which)]
+        blocks += [(_LD, 0, 0, 16 + 8 * pid_arg), (_JEQ, 2, 0, 0), (_JEQ, 1, 0, pid),
+                   (_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)]
+    return head + dispatch + [(_RET, 0, 0, _ALLOW)] + blocks
+
+
+def _own_process_only(report: Confinement) -> None:
+    import platform
+    arch = _SECCOMP_ARCHES.get(platform.machine())
+    if arch is None:
+        report.errors.append(f"seccomp: no syscall table for {platform.machine()}")
+        return
+    audit, sys_seccomp, guarded = arch
+    prog = _own_process_program(audit, guarded, os.getpid())
+    filters = (_SockFilter * len(prog))(*[_SockFilter(c, jt, jf, k) for c, jt, jf, k in prog])
+    fprog = _SockFprog(len(prog), filters)
+    # SECCOMP_SET_MODE_FILTER (1) with SECCOMP_FILTER_FLAG_TSYNC (1): every thread of the process
+    if _libc().syscall(sys_seccomp, 1, 1, ctypes.byref(fprog)) != 0:
+        report.errors.append(_errno_text("seccomp"))
+        return
+    report.own_process_only = True
 
 
 def hidden_dirs(workdir: str | None = None) -> list[str]:

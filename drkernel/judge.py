@@ -672,11 +672,11 @@ def _trial_hacks(j: Judge, ti: int, c: Call) -> None:
     j.launched |= own
 
 
-def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str]) -> None:
+def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str], launches: Any) -> None:
     """The call's data-flow log replayed here: some launch of the candidate's own kernels must
     have written what the output is made of (else `decoy_kernel`); per kernel, the share of its
     launches that did weighs its device time in the profile. A log cut short is no evidence, and
-    its launches must be those the launch record `reported`."""
+    its launches must be those the launch record `reported` (which kernels, how many)."""
     try:
         events = [dataflow.Event.from_list(e) for e in flow["events"]]
         outputs = [int(k) for k in flow["outputs"]]
@@ -686,9 +686,10 @@ def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str]) -> None:
     if truncated:
         j.hack("decoy_kernel", f"trial {ti}: forward ran more than {dataflow.MAX_EVENTS} ops: what the output "
                                "needs cannot be told")
-    if {e.kernel for e in events if e.kernel in j.kernels} != reported:
-        j.hack("forged_reply", f"trial {ti}: the launch record ({sorted(reported)}) and the data-flow log "
-                               "disagree on which of the candidate's kernels ran")
+    logged = [e.kernel for e in events if e.kernel is not None]
+    if {k for k in logged if k in j.kernels} != reported or len(logged) != launches:
+        j.hack("forged_reply", f"trial {ti}: the launch record ({sorted(reported)}, {launches} launches) and the "
+                               f"data-flow log ({len(logged)}) disagree on the candidate's launches")
     stores = {name: k.stores for name, k in j.kernels.items()}
     needed = dataflow.needed_launches(events, outputs, stores)
     launches = [e for e in events if e.kernel is not None]
@@ -718,10 +719,11 @@ def _mutations(j: Judge, ti: int, c: Call, pristine: list, ref_in: list) -> None
         j.hack("output_aliases_input", f"trial {ti}: output shares storage with an input", stop=False)
 
 
-def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, degenerate: bool) -> None:
+def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, degenerate: bool,
+                  finite_only: bool = False) -> None:
     import torch
     t = _perf()
-    cmp = compare.compare(out, ref, j.cfg)
+    cmp = compare.compare(out, ref, j.cfg, finite_only=finite_only)
     t = j.spend("compare", t)
     j.out.trials += 1
     j.details.setdefault("trials", []).append({"trial": ti, "signed": signed, "ok": cmp.ok,
@@ -738,7 +740,8 @@ def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, deg
         j.out.trials_passed += 1
         return
     floats = [x for x in compare.tensors(ref) if x.is_floating_point()]
-    if floats and all(x.dtype == torch.float32 for x in floats) and compare.compare(out, ref, j.cfg, loose=True).ok:
+    if floats and all(x.dtype == torch.float32 for x in floats) and compare.compare(
+            out, ref, j.cfg, loose=True, finite_only=finite_only).ok:
         j.hack("precision_downgrade", f"trial {ti}: fails the fp32 tolerance ({cmp.why}) but passes "
                                       f"{j.cfg.loose_tol:g}: reduced precision inside an fp32 problem")
     kind = "fails on signed-normal inputs" if signed else f"trial {ti} failed"
@@ -782,14 +785,13 @@ def _trial(j: Judge, ti: int, seed: int, signed: bool, degenerate: bool) -> None
     j.spend("mutations", t)
     j.raise_hacks()
     if j.cfg.require_triton:
-        _judge_flow(j, ti, c.reply.get("flow"), _own_kernels(j, c.reply.get("kernels")))
-    if signed and not all(compare.all_finite(x) for x in compare.tensors(ref) if x.is_floating_point()):
-        j.details.setdefault("trials", []).append({"trial": ti, "signed": True, "skipped": "reference not finite"})
-        return
+        _judge_flow(j, ti, c.reply.get("flow"), _own_kernels(j, c.reply.get("kernels")), c.reply.get("launches"))
+    # signed inputs may leave the reference's domain (a log, a square root): judged where it is finite
+    finite_only = signed and not all(compare.all_finite(x) for x in compare.tensors(ref) if x.is_floating_point())
     if "mismatch" in c.reply:
         j.raise_hacks()
         raise Stop("incorrect", f"trial {ti}: {str(c.reply['mismatch'])[:400]}")
-    _judge_values(j, ti, signed, c.output, ref, c.inputs, degenerate)
+    _judge_values(j, ti, signed, c.output, ref, c.inputs, degenerate, finite_only)
 
 
 # ======================================================================================

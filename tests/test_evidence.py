@@ -230,14 +230,19 @@ def test_a_data_flow_log_cut_short_is_no_evidence():
     log = {"events": [judge.dataflow.Event("scratch_kernel", kernel="scratch_kernel", args=[("out_ptr", 5)]).to_list(),
                       judge.dataflow.Event("relu", reads=[1], fresh=[9]).to_list()], "outputs": [9]}
     with pytest.raises(Hacked) as err:
-        judge._judge_flow(_flow_judge(), 0, {**log, "truncated": True}, {"scratch_kernel"})
+        judge._judge_flow(_flow_judge(), 0, {**log, "truncated": True}, {"scratch_kernel"}, 1)
     assert err.value.code == "decoy_kernel" and "cannot be told" in err.value.detail
 
 
 def test_the_launch_record_must_match_the_data_flow_log():
     log = {"events": [judge.dataflow.Event("relu", reads=[1], fresh=[9]).to_list()], "outputs": [9], "truncated": False}
     with pytest.raises(Hacked) as err:  # a launch reported that the log never saw
-        judge._judge_flow(_flow_judge(), 0, log, {"scratch_kernel"})
+        judge._judge_flow(_flow_judge(), 0, log, {"scratch_kernel"}, 1)
+    assert err.value.code == "forged_reply"
+    launch = judge.dataflow.Event("scratch_kernel", kernel="scratch_kernel", args=[("out_ptr", 9)]).to_list()
+    judge._judge_flow(_flow_judge(), 0, {**log, "events": [launch]}, {"scratch_kernel"}, 1)  # they agree
+    with pytest.raises(Hacked) as err:  # launches added to the log that the launch hook never saw
+        judge._judge_flow(_flow_judge(), 0, {**log, "events": [launch] * 20}, {"scratch_kernel"}, 1)
     assert err.value.code == "forged_reply"
 
 
@@ -257,3 +262,26 @@ def test_a_profile_that_disagrees_with_the_checked_calls_is_not_believed():
     slower = [("scratch_kernel", calls, 5000.0 * calls)]
     assert "timed calls" in judge._profile_doubt(j, summary, slower, wall_ms=100.0 * calls)
     assert "claim" in judge._profile_doubt(j, summary, honest, wall_ms=0.5)
+
+
+def test_a_changed_scheduling_of_the_twin_is_caught_and_undone():
+    """Where the seccomp layer is missing, a runner that renices the reference's timing process
+    during its call is caught after it, and the nice value is put back."""
+    import subprocess
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    try:
+        j = judge.Judge(ref=judge.Reference(cfg=EvalConfig(device="cpu"), reference_path="",
+                                            twin=Channel(sock=-1, pid=procs[1].pid, dir="")),
+                        runner=Channel(sock=-1, pid=procs[0].pid, dir=""), candidate_path="")
+        j.sched = judge._scheduling(j)
+        before = judge._scheduling(j)
+        judge._check_scheduling(j, before)  # nothing changed
+        os.setpriority(os.PRIO_PROCESS, procs[1].pid, 19)
+        with pytest.raises(Hacked) as err:
+            judge._check_scheduling(j, before)
+        assert err.value.code == "reference_slowed"
+        assert os.getpriority(os.PRIO_PROCESS, procs[1].pid) == before[procs[1].pid][1]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

@@ -309,3 +309,46 @@ def test_hack_corpus(path):
     assert r.verdict == parts[0], (r.verdict, r.hacks, r.error)
     for code in parts[1:]:
         assert code in r.hacks, (r.hacks, r.error)
+
+
+OUT_OF_DOMAIN_REFERENCE = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    """ReLU plus the log of each row's first element: rows that start negative are NaN."""
+
+    def forward(self, x):
+        return torch.relu(x) + torch.log(x[:, :1])
+
+
+def get_inputs():
+    return [torch.rand(16, 64)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_signed_trials_judge_what_is_finite_where_the_reference_is_not():
+    """Signed-normal inputs leave this reference's domain on some rows; its other rows still tell
+    ReLU(x) from x (uniform inputs cannot), so a candidate that drops the ReLU must fail there."""
+    shortcut = relu_candidate("return copy(x) + torch.log(x[:, :1])", extra=textwrap.dedent('''
+        @triton.jit
+        def copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=m), mask=m)
+
+
+        def copy(x):
+            out = torch.empty_like(x)
+            copy_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
+            return out
+        '''))
+    r = evaluate(OUT_OF_DOMAIN_REFERENCE, shortcut, cfg())
+    assert r.verdict == "incorrect" and "signed" in r.error, (r.verdict, r.error)
+    honest = relu_candidate("return launch(x) + torch.log(x[:, :1])")
+    assert evaluate(OUT_OF_DOMAIN_REFERENCE, honest, cfg()).verdict == "correct"

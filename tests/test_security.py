@@ -234,3 +234,33 @@ def test_evaluate_many_really_runs_workers_at_once():
 def test_result_fields_survive_json():
     r = EvalResult(verdict="correct", speedup=1.5, details={"confinement": {"complete": True}})
     assert EvalResult.from_dict(r.to_dict()) == r
+
+
+def test_a_confined_process_cannot_change_another_process():
+    """The seccomp layer: resource limits, priority and scheduling of another process (the judge,
+    the reference's timing process, the other runners) cannot be changed; its own still can."""
+    import resource
+    parent = os.getpid()
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        os.close(rfd)
+        report = confine.Confinement()
+        confine._own_process_only(report)
+        results = [report.own_process_only]
+        for change in (lambda: resource.prlimit(parent, resource.RLIMIT_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)),
+                       lambda: os.setpriority(os.PRIO_PROCESS, parent, 0),
+                       lambda: os.sched_setaffinity(parent, os.sched_getaffinity(parent)),
+                       lambda: os.setpriority(os.PRIO_PROCESS, 0, 1),
+                       lambda: resource.prlimit(0, resource.RLIMIT_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE))):
+            try:
+                change()
+                results.append(True)
+            except OSError:
+                results.append(False)
+        os.write(wfd, repr(results).encode())
+        os._exit(0)
+    os.close(wfd)
+    got = os.read(rfd, 1000).decode()
+    os.waitpid(pid, 0)
+    assert got == "[True, False, False, False, True, True]", got
