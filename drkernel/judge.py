@@ -383,18 +383,24 @@ def committed(r: Reference, c: Call):
     if not r.out_views:
         return c.reply.get("value")
     ts = list(r.out_views)
-    return ts[0] if r.details["output_structure"] == "T" else _rebuild(r.details["output_structure"], iter(ts))
+    if r.details["output_structure"] == "T":
+        return ts[0]
+    values = c.reply.get("leaves") if isinstance(c.reply.get("leaves"), list) else []
+    return _rebuild(r.details["output_structure"], iter(ts), iter(values))
 
 
-def _rebuild(struct, ts):
+def _rebuild(struct, ts, values):
+    """The output from its structure: tensors from the slots, other values from the reply (a
+    value whose type is not the structure's comes back as None, and fails the comparison)."""
     if struct == "T":
         return next(ts)
     if isinstance(struct, list) and len(struct) == 2 and struct[0] in ("tuple", "list"):
-        items = [_rebuild(s, ts) for s in struct[1]]
+        items = [_rebuild(s, ts, values) for s in struct[1]]
         return tuple(items) if struct[0] == "tuple" else items
     if isinstance(struct, list) and len(struct) == 2 and struct[0] == "dict":
-        return {k: _rebuild(s, ts) for k, s in struct[1]}
-    return None
+        return {k: _rebuild(s, ts, values) for k, s in struct[1]}
+    value = next(values, None)
+    return value if type(value).__name__ == struct else None
 
 
 def verify(j: Judge, c: Call, label: str, code: str = "output_cached") -> None:

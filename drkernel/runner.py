@@ -294,7 +294,10 @@ class Runner:
                 return {"mismatch": f"output {i}: shape {tuple(t.shape)} {t.dtype} on {t.device.type} vs "
                                     f"reference {tuple(slot.shape)} {slot.dtype} on {slot.device.type}"}
             slot.copy_(t)
-        return {}
+        try:  # the values that are not tensors (an int beside a tensor) travel as JSON
+            return {"leaves": json.loads(json.dumps(compare.leaves(out), allow_nan=False))}
+        except (TypeError, ValueError):
+            return {"mismatch": "an output value is neither a tensor nor a plain value"}
 
     def _facts(self, out, flow: dataflow.FlowLog) -> dict:
         """What only this process can see: types, storage sharing and the data-flow log."""

@@ -352,3 +352,49 @@ def test_signed_trials_judge_what_is_finite_where_the_reference_is_not():
     assert r.verdict == "incorrect" and "signed" in r.error, (r.verdict, r.error)
     honest = relu_candidate("return launch(x) + torch.log(x[:, :1])")
     assert evaluate(OUT_OF_DOMAIN_REFERENCE, honest, cfg()).verdict == "correct"
+
+
+STRUCTURED_REFERENCE = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    """A dict of two tensors (inserted out of key order) and an int beside them."""
+
+    def forward(self, x):
+        return {"relu": torch.relu(x), "double": x * 2.0}, x.shape[0]
+
+
+def get_inputs():
+    return [torch.rand(16, 64)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_outputs_with_dicts_and_plain_values_are_compared_by_key_and_value():
+    """A dict output is matched by key, whatever the order the candidate builds it in, and a plain
+    value beside the tensors is compared too: the honest answer passes, a swap or a wrong int does not."""
+    double = textwrap.dedent('''
+        @triton.jit
+        def double_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=m) * 2.0, mask=m)
+
+
+        def twice(x):
+            out = torch.empty_like(x)
+            double_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
+            return out
+        ''')
+    honest = relu_candidate('return {"double": twice(x), "relu": launch(x)}, x.shape[0]', extra=double)
+    r = evaluate(STRUCTURED_REFERENCE, honest, cfg())
+    assert r.verdict == "correct", (r.verdict, r.error)
+    for wrong in ('return {"double": launch(x), "relu": twice(x)}, x.shape[0]',
+                  'return {"relu": launch(x), "double": twice(x)}, x.shape[0] + 1'):
+        r = evaluate(STRUCTURED_REFERENCE, relu_candidate(wrong, extra=double), cfg())
+        assert r.verdict == "incorrect", (wrong, r.verdict, r.error)
