@@ -55,7 +55,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from drkernel.config import (COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Resolved, TaskSelection, compose,
+from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, Resolved, TaskSelection, compose,
                              limit_problems, script_config)
 from drkernel.evalcache import cacheable, fingerprint, verdict_settings, with_environment
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
@@ -96,7 +96,7 @@ class EvaluateConfig(TaskSelection):
                             "timeout": "timeout", "require_triton": "require_triton",
                             "cache_dir": "cache_dir", "baseline": "baseline",
                             "require_confinement": "require_confinement"}),)
-    LIMITS = {"trials": COUNT, "perf_trials": NON_NEGATIVE, "timeout": POSITIVE, "workers": NON_NEGATIVE,
+    LIMITS = {"trials": COUNT, "perf_trials": NON_NEGATIVE, "timeout": EvalConfig.LIMITS["timeout"], "workers": WORKERS,
               "samples": COUNT, "chunk_size": NON_NEGATIVE}
 
     candidates: str = dataclasses.field(default="", metadata={

@@ -57,7 +57,7 @@ from tqdm import tqdm
 
 from drkernel import stts
 from drkernel.api_policy import ApiConfig, ApiError, ChatGenerator, Failure
-from drkernel.config import (COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, ModelSelection, Resolved,
+from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, ModelSelection, Resolved,
                              TaskSelection, changed_settings, compose, limit_problems, script_config)
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.generation import GenerationConfig
@@ -103,7 +103,7 @@ class GenerateConfig(ModelSelection, TaskSelection):
     )
     # the values each setting accepts, beside those the mirrored library configs declare (drkernel.config)
     LIMITS = {"samples_per_task": COUNT, "num_turns": COUNT, "max_prompt_tokens": COUNT, "tasks_per_batch": COUNT,
-              "trials": COUNT, "perf_trials": COUNT, "timeout": POSITIVE, "workers": Limit(0, why="0 = auto"),
+              "trials": COUNT, "perf_trials": COUNT, "timeout": EvalConfig.LIMITS["timeout"], "workers": WORKERS,
               "seed": NON_NEGATIVE, "stts_iterations": COUNT, "stts_window": NON_NEGATIVE}
     samples_per_task: int = dataclasses.field(default=1, metadata={"help": "trajectories per task (num_generations)"})
     num_turns: int = dataclasses.field(default=_Ro.num_turns, metadata={"help": "turns per trajectory (STTS: see --stts_window_counts)"})
@@ -230,10 +230,13 @@ def load_policy(cfg: GenerateConfig, device: str) -> Policy:
             fail(str(exc))
         return Policy(f"api:{cfg.api_model}", None, codec, generator,
                       prompt_budget(cfg.max_prompt_tokens, api.chars_per_token), counts_tokens=False)
-    from drkernel.modeling import load_model, load_tokenizer
+    from drkernel.modeling import ModelLoadError, load_model, load_tokenizer
 
-    tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
-    model = load_model(cfg.model, dtype=cfg.dtype)
+    try:
+        tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
+        model = load_model(cfg.model, dtype=cfg.dtype)
+    except ModelLoadError as exc:
+        fail(str(exc))
     model.to(device).eval()
     return Policy(cfg.model, model, tokenizer, None, cfg.max_prompt_tokens)
 

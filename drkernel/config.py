@@ -370,6 +370,7 @@ FINITE = Limit()
 FRACTION = Limit(0, 1)  # [0, 1]
 UP_TO_1 = Limit(0, 1, low_open=True)  # (0, 1]
 BELOW_1 = Limit(0, 1, high_open=True)  # [0, 1)
+WORKERS = Limit(0, 64, why="0 = auto; each is a sandbox of its own")  # evaluation workers of one process
 
 def limits(cls: type) -> dict[str, Limit | OneOf]:
     """{field: Limit} of `cls`: its own `LIMITS` along the MRO, and the library classes' limits

@@ -27,7 +27,7 @@ class EvalConfig:
     # what each setting accepts, for every script that mirrors it (drkernel.config: LIMITS, SHARED)
     LIMITS = {"device": OneOf(pattern=r"auto|cpu|cuda(:\d+)?", text="auto, cpu, cuda or cuda:N"),
               "baseline": OneOf(BASELINES), "trials": COUNT, "perf_trials": COUNT, "cpu_perf_trials": COUNT,
-              "warmup": NON_NEGATIVE, "timeout": POSITIVE, "atol_fp32": POSITIVE, "rtol_fp32": POSITIVE,
+              "warmup": NON_NEGATIVE, "timeout": Limit(0, 7 * 86400, low_open=True, why="seconds, at most a week"), "atol_fp32": POSITIVE, "rtol_fp32": POSITIVE,
               "atol_half": POSITIVE, "rtol_half": POSITIVE, "rel_l2_fp32": POSITIVE, "rel_l2_half": POSITIVE,
               "loose_tol": POSITIVE, "seed": Limit(0, 2**32 - 1), "max_rss_mb": NON_NEGATIVE,
               "idle_probe_ms": POSITIVE, "idle_wait_s": NON_NEGATIVE, "max_speedup_recheck": POSITIVE}

@@ -593,6 +593,10 @@ class _Option:
             raise argparse.ArgumentTypeError(str(exc)) from None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not self._in_range(value):
             raise argparse.ArgumentTypeError(f"must be {self._range(value)}, not {text!r}")
+        rule = EvalConfig.LIMITS.get(self.name)  # the library's own rule too (a baseline's name, an upper end)
+        problem = rule.problem(self.name, value) if rule is not None and not isinstance(value, bool) else None
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
         return value
 
     def _in_range(self, value: float) -> bool:

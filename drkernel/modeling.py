@@ -157,11 +157,25 @@ def _tokenizer_source(name: str) -> str:
     return name
 
 
+class ModelLoadError(ValueError):
+    """A model or tokenizer that cannot be loaded from what the user named (one clear line)."""
+
+
+_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)  # what transformers raises for a bad name or file
+
+
 def load_tokenizer(name: str, tokenizer_name: str | None = None):
     from transformers import AutoTokenizer
 
-    path, extra = _resolve(_tokenizer_source(tokenizer_name or name))
-    tok = AutoTokenizer.from_pretrained(path, **extra)
+    source = tokenizer_name or name
+    try:
+        path, extra = _resolve(_tokenizer_source(source))
+        tok = AutoTokenizer.from_pretrained(path, **extra)
+    except ModelDownloadError:
+        raise
+    except _LOAD_ERRORS as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {source!r}: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # generation pads on the left so every row ends at the same column
@@ -178,11 +192,37 @@ def load_model(name: str, dtype: str = "auto", gradient_checkpointing: bool = Fa
     so RL can start from an SFT run that trained LoRA.
     """
     import torch
+
+    dtypes = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+              "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}
+    if dtype not in dtypes:
+        raise ModelLoadError(f"dtype must be one of {', '.join(dtypes)}, got {dtype!r}")
+    try:
+        model = _load_weights(name, dtypes[dtype], attn_implementation)
+    except ModelDownloadError:
+        raise
+    except _LOAD_ERRORS as exc:
+        raise ModelLoadError(f"cannot load a model from {name!r}: {type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if lora_r > 0 and adapter_base(name) is None:
+        from peft import LoraConfig, get_peft_model
+
+        targets: Any = lora_target_modules
+        if targets != "all-linear":
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        model = get_peft_model(model, LoraConfig(
+            r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+            target_modules=targets, task_type="CAUSAL_LM"))
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model, gradient_checkpointing_every)
+    make_saveable(model, name)
+    return model
+
+
+def _load_weights(name: str, torch_dtype, attn_implementation: str | None):
+    """The model's weights: a peft adapter directory as base + adapter, else the model itself."""
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = {"auto": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                   "fp16": torch.float16, "float16": torch.float16,
-                   "fp32": torch.float32, "float32": torch.float32}[dtype]
     kwargs: dict[str, Any] = {}
     if torch_dtype is not None:
         kwargs["dtype"] = torch_dtype
@@ -194,23 +234,9 @@ def load_model(name: str, dtype: str = "auto", gradient_checkpointing: bool = Fa
 
         base_path, extra = _resolve(base_name)
         base = AutoModelForCausalLM.from_pretrained(base_path, **extra, **kwargs)
-        model = PeftModel.from_pretrained(base, local_name(name), is_trainable=True)
-    else:
-        path, extra = _resolve(name)
-        model = AutoModelForCausalLM.from_pretrained(path, **extra, **kwargs)
-        if lora_r > 0:
-            from peft import LoraConfig, get_peft_model
-
-            targets: Any = lora_target_modules
-            if targets != "all-linear":
-                targets = [t.strip() for t in targets.split(",") if t.strip()]
-            model = get_peft_model(model, LoraConfig(
-                r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                target_modules=targets, task_type="CAUSAL_LM"))
-    if gradient_checkpointing:
-        enable_gradient_checkpointing(model, gradient_checkpointing_every)
-    make_saveable(model, name)
-    return model
+        return PeftModel.from_pretrained(base, local_name(name), is_trainable=True)
+    path, extra = _resolve(name)
+    return AutoModelForCausalLM.from_pretrained(path, **extra, **kwargs)
 
 
 def enable_gradient_checkpointing(model, every_n_layers: int = 1) -> None:

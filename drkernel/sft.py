@@ -393,13 +393,14 @@ def main(argv: Sequence[str] | None = None, preset: str | Path | None = None, pr
     """`train.py --stage sft` lands here (with `preset` configs/sft_quick.yaml: the settings start
     from it unless --config is given). Returns a process exit code; bad input is a clear message
     and exit code 2, not a traceback."""
+    from drkernel.modeling import ModelLoadError
     from drkernel.tasks import TaskError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = start_run(SFTConfig, _strip_stage(argv), preset, prog)
         summary = train(cfg)
-    except (ConfigError, SFTDataError, TaskError, FileNotFoundError) as exc:
+    except (ConfigError, SFTDataError, TaskError, FileNotFoundError, ModelLoadError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     print(f"[sft] done: {summary['steps']} steps, last loss "

@@ -535,6 +535,12 @@ def convert_file(cfg: ConvertConfig) -> ConvertStats:
     path = Path(cfg.generations)
     if not path.is_file():
         raise SFTDataError(f"--generations {path}: no such file")
+    if Path(cfg.out).resolve() == path.resolve():
+        raise SFTDataError(f"--out {cfg.out} is the --generations file: it would be overwritten")
+    for name in ("min_reward", "min_speedup"):
+        value = getattr(cfg, name)
+        if value is not None and not math.isfinite(value):
+            raise SFTDataError(f"--{name} must be a finite number, got {value!r}")
     rows, unreadable = _generation_rows(path)
     levels = [int(x) for x in str(cfg.levels).split(",") if x.strip()]
     tasks = load_tasks(cfg.tasks, levels=levels)

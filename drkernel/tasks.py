@@ -148,15 +148,23 @@ def rows_to_tasks(rows: Iterable[dict], source: str = "",
         missing = [c for c in ("code", "level", "problem_id") if c not in row or row[c] is None]
         if missing:
             raise TaskError(f"{source} row {i}: missing column(s) {', '.join(missing)}")
-        pid = int(row["problem_id"])
+        pid, level = _integer(row["problem_id"], f"{source} row {i}: problem_id"), _integer(row["level"], f"{source} row {i}: level")
         if wanted is not None and pid not in wanted:
             continue
+        if any(t.problem_id == pid for t in tasks):
+            raise TaskError(f"{source} row {i}: problem_id {pid} appears twice")
         name = row.get("name") or f"{pid}_problem.py"
         validate_code(row["code"], f"{source} {name}")
-        tasks.append(Task(name=name, level=int(row["level"]), problem_id=pid,
-                          code=row["code"], source=source))
+        tasks.append(Task(name=name, level=level, problem_id=pid, code=row["code"], source=source))
     tasks.sort(key=lambda t: t.problem_id)
     return tasks
+
+
+def _integer(value, what: str) -> int:
+    """An integer column of a task row (an int, or text that is one); TaskError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().lstrip("-").isdigit():
+        raise TaskError(f"{what} must be an integer, got {value!r}")
+    return int(value)
 
 
 def load_tasks(spec: str = "bundled", levels: Sequence[int] = (1,),

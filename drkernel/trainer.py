@@ -52,7 +52,7 @@ import torch
 import torch.utils.checkpoint
 
 from drkernel.advantages import ESTIMATORS, SCALES, compute_advantages
-from drkernel.config import (BELOW_1, COUNT, FINITE, FRACTION, NON_NEGATIVE, POSITIVE, UP_TO_1, ConfigError, Limit,
+from drkernel.config import (BELOW_1, COUNT, FINITE, FRACTION, NON_NEGATIVE, POSITIVE, UP_TO_1, WORKERS, ConfigError, Limit,
                              OneOf, TaskSelection, compose, limit_problems)
 from drkernel.evaltypes import EvalConfig, EvalResult
 from drkernel.generation import GenerationConfig, GenOutput, logprob_temperature
@@ -1117,7 +1117,7 @@ class TrainConfig(RunConfig, TaskSelection):
         "num_generations": Limit(2, why="a group needs another member for its baseline"),
         "num_turns": COUNT, "max_prompt_tokens": COUNT,
         "temperature": Limit(0, low_open=True, why="RL samples; at 0 every answer of a group would be alike"),
-        "eval_workers": Limit(0, why="0 = auto"), "correct_weight": NON_NEGATIVE, "speedup_weight": NON_NEGATIVE,
+        "eval_workers": WORKERS, "correct_weight": NON_NEGATIVE, "speedup_weight": NON_NEGATIVE,
         "speedup_cap": POSITIVE, "profile_weight": NON_NEGATIVE, "prs_threshold": FRACTION, "prs_width": NON_NEGATIVE,
         "gamma": UP_TO_1, "epsilon": BELOW_1, "epsilon_high": NON_NEGATIVE, "dual_clip_c": FINITE,
         "norm_length": POSITIVE, "beta": NON_NEGATIVE, "entropy_coef": FINITE, "num_iterations": COUNT,
@@ -1261,14 +1261,26 @@ class TrainConfig(RunConfig, TaskSelection):
         return compose(self, RolloutConfig, generation=self.generation_config(seed), reward=self.reward_config())
 
 
+def _check_eval_device(name: str) -> None:
+    """A GPU asked for and missing is said at the start, not after the first rollout."""
+    from drkernel.evaluator import DeviceError, resolve_device
+    try:
+        resolve_device(name)
+    except DeviceError as exc:
+        raise ConfigError(f"eval_device: {exc}") from None
+
+
 def main(argv: Sequence[str] | None = None, preset: str | Path | None = None, prog: str = "train.py") -> int:
     """`accelerate launch train.py [--config FILE|none] [--key value ...]` (stage rl). The settings
     are `preset` (train.py passes configs/cpu_quick.yaml, the bare run) over the library defaults,
     adjusted by each --key value; `--config FILE` replaces the preset, `--config none` drops it."""
+    from drkernel.modeling import ModelLoadError
+
     try:
         cfg = start_run(TrainConfig, argv, preset, prog)
+        _check_eval_device(cfg.eval_device)
         trainer = Trainer(cfg)
-    except (ConfigError, TaskError, FileNotFoundError) as exc:
+    except (ConfigError, TaskError, FileNotFoundError, ModelLoadError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()

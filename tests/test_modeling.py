@@ -125,3 +125,25 @@ def test_warm_start_adapter_learnt_the_bundled_conversations():
             base_sum, _ = loss(model, batch)
     tuned, base = float(tuned_sum) / n, float(base_sum) / n
     assert tuned < 0.2 < base, (tuned, base)
+
+
+def test_a_model_that_cannot_be_loaded_is_one_clear_error(tmp_path):
+    from drkernel.modeling import ModelLoadError, load_model, load_tokenizer
+    (tmp_path / "garbage.bin").write_bytes(b"\x00\x01not a model")
+    for bad in (str(tmp_path / "missing"), str(tmp_path)):
+        with pytest.raises(ModelLoadError, match="cannot load a model"):
+            load_model(bad)
+        with pytest.raises(ModelLoadError, match="cannot load a tokenizer"):
+            load_tokenizer(bad)
+    with pytest.raises(ModelLoadError, match="dtype must be one of"):
+        load_model(str(tmp_path), dtype="foo")
+
+
+def test_train_refuses_a_missing_gpu_for_evaluation_at_the_start(capsys, fresh_accelerate_state, tmp_path):
+    import torch
+
+    from drkernel import trainer
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    assert trainer.main(["--eval_device", "cuda", "--output_dir", str(tmp_path / "run"), "--log_with", "none"]) == 2
+    assert "eval_device: --device cuda: no GPU is visible" in capsys.readouterr().err

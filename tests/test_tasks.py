@@ -33,3 +33,14 @@ def test_a_bench_script_with_a_bad_kernelbench_path_exits_2_with_one_line(tmp_pa
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
         f"ref_self.py: error: cannot load KernelBench level_1 from '{tmp_path / 'none'}': "), lines
+
+
+def test_rows_with_a_non_integer_level_or_a_repeated_problem_are_refused():
+    from drkernel.tasks import rows_to_tasks
+    code = (Path(__file__).resolve().parent.parent / "drkernel" / "data" / "tasks" / "1_ReLU.py").read_text()
+    good = {"code": code, "level": 1, "problem_id": 1, "name": "1_ReLU.py"}
+    assert [t.problem_id for t in rows_to_tasks([good, {**good, "problem_id": "2"}])] == [1, 2]
+    for rows, words in (([{**good, "level": "x"}], "level must be an integer"),
+                        ([good, {**good, "name": "other.py"}], "appears twice")):
+        with pytest.raises(TaskError, match=words):
+            rows_to_tasks(rows, "t")
