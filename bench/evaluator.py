@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.entry import exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
-from drkernel.evaluator import EvalConfig, Evaluator  # noqa: E402
+from drkernel.evaluator import EvalConfig, Evaluator, resolve_device  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
 
 SOLUTIONS = Path(__file__).resolve().parent / "solutions"
@@ -112,7 +112,7 @@ def main() -> None:
     if args.only:
         keys = [k for k in args.only.split(",") if k]
         cases = [c for c in cases if any(k in c[0] for k in keys)]
-    base = dict(device=args.device, trials=args.trials, perf_trials=args.perf_trials, baseline=args.baseline)
+    base = dict(device=resolve_device(args.device), trials=args.trials, perf_trials=args.perf_trials, baseline=args.baseline)
     if args.workers > 1:
         rows = side_by_side(cases, EvalConfig(**base, require_triton=False), args.workers, args.repeats)
     else:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from bench.candidates import headers  # noqa: E402
 from bench.entry import exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
-from drkernel.evaluator import EvalConfig, EvalResult, Evaluator  # noqa: E402
+from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
 
 HONEST = ("level1_19_ReLU.py", "level1_23_Softmax.py", "level1_21_Sigmoid.py", "level1_36_RMSNorm_.py")
@@ -50,7 +50,7 @@ def hostile_pairs() -> list[tuple[str, str, str]]:
 
 def run(pairs: list[tuple[str, str, str]], workers: int) -> tuple[dict, float]:
     t0 = time.perf_counter()
-    with Evaluator(EvalConfig(device="cuda"), workers=workers) as ev:
+    with Evaluator(EvalConfig(device=resolve_device("cuda")), workers=workers) as ev:  # GPU only
         results = ev.evaluate_many([(ref, cand) for _, ref, cand in pairs])
     return {name: r for (name, _, _), r in zip(pairs, results)}, time.perf_counter() - t0
 

@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(default_out))
     args = ap.parse_args(argv)
 
-    device = args.device
+    from drkernel.evaluator import resolve_device
+    device = resolve_device(args.device)  # a GPU asked for and missing: one line, exit 2
     dtype_name = args.dtype or ("bf16" if device.startswith("cuda") else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
     model = build_model(args.layers, device, dtype)

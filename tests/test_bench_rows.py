@@ -51,3 +51,18 @@ def test_ablation_prints_its_headline_numbers_as_a_table(capsys):
     assert lines[0].startswith("(a) GRPO / TRLOO gradient, N=4 (1 - 1/N = 0.750)") and lines[0].endswith("0.751")
     assert next(line for line in lines if line.startswith("drift_corrected")).split()[1:] == \
         ["2.500", "0.700", "0.990", "0.250"]
+
+
+@pytest.mark.parametrize("script", ["hacks.py", "evaluator.py", "ref_self.py"])
+def test_a_gpu_benchmark_on_a_machine_without_one_is_one_line_and_no_json(script, tmp_path):
+    import subprocess
+
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(root / "bench" / script), "--out", str(out)], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "no GPU is visible" in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert not out.exists()
