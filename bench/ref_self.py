@@ -102,10 +102,10 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "ref_self.json"))
     args = ap.parse_args()
     levels = [] if args.levels == "none" else [int(x) for x in args.levels.split(",") if x]
-    cfg = EvalConfig(device=resolve_device("cuda"), require_triton=False, baseline=args.baseline)  # GPU only
     out = {"config": vars(args)}
     keys = [k for k in args.repeat.split(",") if k]
     every = [t for lvl in (1, 2, 3) for t in load_kernelbench(args.kernelbench, lvl)]
+    cfg = EvalConfig(device=resolve_device("cuda"), require_triton=False, baseline=args.baseline)  # GPU only
     picked = [next(t for t in every if k in t.name) for k in keys]
     if picked and args.repeats:  # first: the launch-bound models are where timing was noise
         run_repeats(picked, args, cfg, out)
