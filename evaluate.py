@@ -27,11 +27,12 @@ every selected problem. `--denominator selected | candidates` chooses explicitly
 Results: every row is appended to `<output_dir>/results.jsonl` (and flushed) as soon as it is
 known, with the settings it was made with (`Settings`: device, baseline, timeout, the evaluator's
 verdict settings such as trials, perf_trials and tolerances, and the environment fingerprint of
-`drkernel.evalcache`). A rerun with `--resume true` (the default) reuses a stored row only for
-the same candidate and reference code, under equal settings, and when the cache would keep its
-verdict (`evalcache.cacheable`: not a timeout, a crash, out of memory or an evaluator failure the
-machine may have caused); every other attempt is evaluated again, and the run says how many and
-why. A killed run loses nothing but the chunk in flight. Then `summary.json`, plots and
+`drkernel.evalcache`). A rerun with `--resume true` (the default) reuses a stored row only when
+each field has its declared type (`ResultRow.from_dict`; other lines are named and their attempts
+evaluated again), for the same candidate and reference code, under equal settings, and when the
+cache would keep its verdict (`evalcache.cacheable`: not a timeout, a crash, out of memory or an
+evaluator failure the machine may have caused); every other attempt is evaluated again, and the
+run says how many and why. A killed run loses nothing but the chunk in flight. Then `summary.json`, plots and
 `report.md` are written and the table is printed.
 
 `--baseline compile` times the reference under `torch.compile` (compiled once per problem and
@@ -51,15 +52,17 @@ import hashlib
 import os
 import sys
 import time
+import typing
 from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, Resolved, TaskSelection, compose,
-                             limit_problems, script_config)
-from drkernel.evalcache import cacheable, fingerprint, verdict_settings, with_environment
+                             limit_problems, output_problem, script_config)
+from drkernel.evalcache import cacheable, fingerprint, result_problem, verdict_settings, with_environment
+from drkernel.evaltypes import VERDICTS
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
-from drkernel.jsonl import JsonlWriter, iter_jsonl
+from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl
 from drkernel.layouts import Candidate, LayoutError, Scan, Skipped, attempt_name, scan_candidates
 from drkernel.tasks import Task
 
@@ -67,6 +70,7 @@ PROG = "evaluate.py"
 RESULTS_FILE = "results.jsonl"
 FORMAT_ERROR = "format_error"  # a generation without code: recorded here, never evaluated
 REFERENCE_ERROR = "reference_error"
+STORED_VERDICTS = (*VERDICTS, FORMAT_ERROR)  # the verdicts a row of results.jsonl may hold
 DENOMINATORS = ("auto", "selected", "candidates")
 DROP_FIELDS = ("stdout", "stderr")  # kept short by the evaluator, but noise in results.jsonl
 SHOWN_SKIPPED = 20  # skipped inputs printed; summary.json lists all
@@ -154,8 +158,26 @@ def check_config(cfg: EvaluateConfig) -> None:
         problems.append(f"--denominator must be one of {', '.join(DENOMINATORS)}, not {cfg.denominator!r}")
     if cfg.candidates and not Path(cfg.candidates).exists():
         problems.append(f"--candidates {cfg.candidates}: no such file or directory")
+    problems += output_problems(cfg)
     if problems:
         fail("; ".join(problems))
+
+
+def output_problems(cfg: EvaluateConfig) -> list[str]:
+    """Why a directory evaluate.py writes cannot be used (`output_problem`): --output_dir, and
+    --cache_dir when one is given."""
+    found = [output_problem("--output_dir", cfg.output_dir, is_dir=True)]
+    if cfg.cache_dir:
+        found.append(output_problem("--cache_dir", cfg.cache_dir, is_dir=True, writable=False))
+    return [p for p in found if p]
+
+
+def make_output_dir(path: Path) -> None:
+    """Create --output_dir; a path the system refuses (a read-only file system, /proc) is a usage error."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        fail(f"--output_dir {path}: cannot create it ({exc.strerror or exc})")
 
 
 def start_line(run: Resolved[EvaluateConfig]) -> str:
@@ -332,11 +354,15 @@ class Settings:
 
     @classmethod
     def from_dict(cls, data: Any) -> "Settings":
-        """The record stored with a row (TypeError when it is not one)."""
-        settings = cls(**data)
-        if not (isinstance(settings.evaluator, dict) and isinstance(settings.environment, dict)):
-            raise TypeError("settings.evaluator and settings.environment must be objects")
-        return settings
+        """The record stored with a row (ValueError saying why when it is not one)."""
+        if not isinstance(data, dict):
+            raise ValueError("lacks settings" if data is None else f"settings is {type(data).__name__}, not an object")
+        types_ = typing.get_type_hints(cls)
+        problem = field_problem(data, types_, required=types_)
+        unknown = sorted(set(data) - set(types_))
+        if problem or unknown:
+            raise ValueError(f"settings: {problem or 'unknown key(s) ' + ', '.join(unknown)}")
+        return cls(**data)
 
     def flat(self) -> dict[str, Any]:
         env = {f"environment.{k}": v for k, v in self.environment.items()}
@@ -384,27 +410,32 @@ class ResultRow:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ResultRow":
-        """A stored line (TypeError/ValueError when a field is missing or of the wrong type)."""
-        key = [data.get(k) for k in ("level", "problem_id", "sample", "turn")]
-        if not all(type(v) is int for v in key):
-            raise ValueError("level, problem_id, sample and turn must be integers")
-        result = EvalResult.from_dict(data)
-        if not (isinstance(result.verdict, str) and isinstance(result.details, dict)
-                and isinstance(result.hacks, list)):
-            raise TypeError("verdict, details or hacks of the wrong type")
-        return cls(*key, str(data.get("task")), str(data.get("candidate")), data.get("candidate_sha"),
-                   str(data.get("reference_sha")), Settings.from_dict(data.get("settings")), result)
+        """A stored line (ValueError saying why when a field is missing or of the wrong type:
+        `IDENTITY_TYPES`, the result's `evalcache.result_problem`, `Settings.from_dict`)."""
+        problem = (field_problem(data, IDENTITY_TYPES, required=IDENTITY_TYPES)
+                   or result_problem(data, STORED_VERDICTS))
+        if problem:
+            raise ValueError(problem)
+        return cls(*(data[k] for k in IDENTITY_TYPES), Settings.from_dict(data.get("settings")),
+                   EvalResult.from_dict(data))
 
 
-def read_results(path: Path) -> tuple[list[ResultRow], int]:
-    """The usable rows of results.jsonl, and how many lines were not (a write cut by a kill, a
-    row without the settings it was made with)."""
-    rows, bad = [], 0
+# the columns of a stored line before its settings and result, with their types
+IDENTITY_TYPES: dict[str, Any] = {k: v for k, v in typing.get_type_hints(ResultRow).items()
+                                  if k not in ("settings", "result")}
+
+
+def read_results(path: Path) -> tuple[list[ResultRow], list[str]]:
+    """The usable rows of results.jsonl, and why each other line is not one ("line N: why": a
+    write cut by a kill, a row without its settings or with a field of the wrong type)."""
+    rows, bad = [], []
     for line in iter_jsonl(path):
         try:
-            rows.append(ResultRow.from_dict(line.row or {}))
-        except (TypeError, ValueError):
-            bad += 1
+            if line.row is None:
+                raise ValueError(line.error)
+            rows.append(ResultRow.from_dict(line.row))
+        except ValueError as exc:
+            bad.append(f"line {line.lineno}: {exc}")
     return rows, bad
 
 
@@ -419,8 +450,8 @@ def stored_results(path: Path, resume: bool) -> dict[Key, ResultRow]:
         return {}
     rows, bad = read_results(path)
     if bad:
-        print(f"[evaluate] {bad} line(s) of {path} are not usable results (a write cut by a kill, or a row "
-              f"without its settings); their attempts are evaluated again", file=sys.stderr)
+        print(f"[evaluate] {path}: {len(bad)} line(s) are not usable results, their attempts are evaluated "
+              f"again: {first_reasons(bad)}", file=sys.stderr)
     return {r.key: r for r in rows}
 
 
@@ -618,7 +649,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     tasks = load_selected_tasks(cfg)
     inputs = collect_inputs(cfg, tasks)
     out_dir = Path(cfg.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out_dir)
     settings = Settings.of(cfg, device)
     plan = Plan.of(inputs.to_evaluate(), stored_results(out_dir / RESULTS_FILE, cfg.resume), settings)
     plan.announce()

@@ -36,7 +36,9 @@ one round). On restart (`--resume true`, the default) the (task, sample, round) 
 already complete in the file are skipped; rows of an incomplete unit (including one with a
 failure row), malformed rows and a partial last line (a kill mid-write) are reported and
 dropped by rewriting the file first, so a rerun writes only the missing rows and never
-duplicates one. A file written with another model, turn plan or any of `ROW_SETTINGS` is
+duplicates one. A row is reused only when it holds every column of its declared type
+(`row_problem`: `RowColumns`, the evaluator's result types, `ROW_SETTINGS`); any other is one of
+the malformed rows. A file written with another model, turn plan or any of `ROW_SETTINGS` is
 refused, naming the keys. A later STTS round is rebuilt from the rows.
 """
 
@@ -50,18 +52,23 @@ import shutil
 import sys
 import tempfile
 import time
+import typing
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence, TypedDict
 
 from tqdm import tqdm
 
 from drkernel import stts
 from drkernel.api_policy import ApiConfig, ApiError, ChatGenerator, Failure
 from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, ModelSelection, Resolved,
-                             TaskSelection, changed_settings, compose, limit_problems, script_config)
+                             TaskSelection, changed_settings, compose, limit_problems, output_problem,
+                             script_config)
+from drkernel.evalcache import result_problem
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
+from drkernel.evaltypes import VERDICTS
 from drkernel.generation import GenerationConfig
-from drkernel.jsonl import JsonlWriter, first_reasons, iter_jsonl, json_safe, write_json
+from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl, json_safe, write_json
+from drkernel.prompts import FORMAT_ERROR
 from drkernel.rollout import RolloutConfig
 
 ROW_RESULT_FIELDS = ("verdict", "compiled", "correct", "speedup", "triton_time_share", "hacks", "error",
@@ -72,6 +79,7 @@ ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompt_t
 ROW_COUNTS = ("sample", "turn", "iteration", "iter_turn", "level", "problem_id")  # non-negative integers
 MAX_ROUNDS = 10_000  # a larger `iteration` in a resumed row is corrupt, not a plan to rebuild
 GENERATION_FAILED = "generation_failed"  # the verdict of a turn whose request failed
+ROW_VERDICTS = (*VERDICTS, FORMAT_ERROR, GENERATION_FAILED)  # the evaluator's, no code, a failed request
 HELP = """usage: python generate.py [--config file.yaml] [--key value ...]
 
 With no options, generate.py runs its base configuration: the GenerateConfig defaults listed
@@ -172,19 +180,34 @@ def check_config(cfg: GenerateConfig) -> None:
         problems.append(f"--stts_ties must be one of {', '.join(stts.TIES)}, not {cfg.stts_ties!r}")
     if cfg.api_base_url and not cfg.api_model:
         problems.append("--api_base_url needs --api_model (the model name the endpoint serves)")
-    if _unwritable(Path(cfg.output)):
-        problems.append(f"--output {cfg.output}: not a file that can be written (a directory, or below a "
-                        f"file or a read-only directory)")
+    if cfg.api_model and not cfg.api_base_url:
+        problems.append("--api_model needs --api_base_url (the endpoint that serves it); without one the local "
+                        "--model would run")
+    problems += output_problems(cfg)
     if problems:
         fail("; ".join(problems))
 
 
-def _unwritable(path: Path) -> bool:
-    """`path` is a directory, or its nearest existing ancestor is not a writable directory."""
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    return path.is_dir() or not (parent.is_dir() and os.access(parent, os.W_OK))
+def output_problems(cfg: GenerateConfig) -> list[str]:
+    """Why a path generate.py writes cannot be written (`output_problem`): --output, the summary
+    and the report beside it, and --eval_cache_dir when one is given."""
+    found = [output_problem("--output", cfg.output)]
+    if found[0] is None:
+        found += [output_problem("the summary of --output", str(summary_path(cfg.output))),
+                  output_problem("the report of --output", str(report_dir(cfg.output)), is_dir=True)]
+    if cfg.eval_cache_dir:
+        found.append(output_problem("--eval_cache_dir", cfg.eval_cache_dir, is_dir=True, writable=False))
+    return [p for p in found if p]
+
+
+def create_output(path: str) -> None:
+    """Create --output (empty) and its folder now: a path the system refuses (a read-only file
+    system, /proc) is then one line before the model loads, not a traceback after it."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).touch()
+    except OSError as exc:
+        fail(f"--output {path}: cannot create it ({exc.strerror or exc})")
 
 
 def start_line(run: Resolved[GenerateConfig]) -> str:
@@ -308,6 +331,34 @@ def failure_row(cfg: GenerateConfig, plan: Sequence[int], task, sample: int, ite
     return json_safe(row)
 
 
+class RowColumns(TypedDict):
+    """The columns of every row beside the evaluator's `ROW_RESULT_FIELDS` (`_identity`, `make_row`,
+    `failure_row`), with the types a resumed row must hold."""
+
+    level: int
+    problem_id: int
+    task: str
+    task_key: str
+    sample: int
+    turn: int
+    iteration: int
+    iter_turn: int
+    num_turns: int
+    round_turns: int
+    model: str
+    settings: dict
+    response: str
+    code: str | None
+    finished: bool
+    response_tokens: int | None
+    reward: float | None
+    generation_error: str | None
+
+
+ROW_TYPES: dict[str, Any] = typing.get_type_hints(RowColumns)
+SETTING_TYPES: dict[str, Any] = {k: typing.get_type_hints(GenerateConfig)[k] for k in ROW_SETTINGS}
+
+
 def is_failure(row: dict) -> bool:
     return row.get("verdict") == GENERATION_FAILED
 
@@ -317,24 +368,26 @@ def _unit(row: dict) -> tuple[str, int]:
 
 
 def row_problem(row: dict) -> str | None:
-    """Why a row read back from the output file cannot be used (None: it can)."""
-    missing = [k for k in ("task_key", *ROW_COUNTS) if row.get(k) is None]
-    if missing:
-        return f"lacks {', '.join(missing)}"
-    if not isinstance(row["task_key"], str):
-        return f"task_key is {row['task_key']!r}, not a string"
-    for k in ROW_COUNTS:
-        if isinstance(row[k], bool) or not isinstance(row[k], int) or row[k] < 0:
-            return f"{k} is {row[k]!r}, not a count"
+    """Why a row read back from the output file cannot be reused (None: it can): a column it
+    lacks or holds with another type (`RowColumns`, the evaluator's `RESULT_TYPES`), a verdict
+    that is none of `ROW_VERDICTS`, a negative count, or settings without `ROW_SETTINGS` of their
+    types."""
+    problem = (field_problem(row, ROW_TYPES, required=(*ROW_TYPES, *ROW_RESULT_FIELDS))
+               or result_problem(row, ROW_VERDICTS))
+    if problem:
+        return problem
+    negative = [k for k in ROW_COUNTS if row[k] < 0]
+    if negative:
+        return f"{negative[0]} is {row[negative[0]]}, not a count"
     if row["iteration"] >= MAX_ROUNDS:
         return f"iteration {row['iteration']} is beyond {MAX_ROUNDS} rounds"
-    return None
+    problem = field_problem(row["settings"], SETTING_TYPES, required=ROW_SETTINGS)
+    return None if problem is None else f"settings: {problem}"
 
 
 def _changed_settings(rows: list[dict], cfg: GenerateConfig) -> list[str]:
     """`ROW_SETTINGS` the rows hold with another value than `cfg` ("key old -> new"), once per key."""
-    distinct = {json.dumps(r["settings"], sort_keys=True, default=repr): r["settings"]
-                for r in rows if isinstance(r.get("settings"), dict)}  # rows of one run share theirs
+    distinct = {json.dumps(r["settings"], sort_keys=True): r["settings"] for r in rows}  # one run's: one
     changes: dict[str, str] = {}
     for settings in distinct.values():
         for change in changed_settings(settings, cfg):
@@ -349,12 +402,12 @@ def _check_rows(path: Path, rows: list[dict], cfg: GenerateConfig, plan: list[in
     again = "pass another --output or --resume false"
     for i, r in enumerate(rows):
         k, t = r["iteration"], r["iter_turn"]
-        if r.get("num_turns", cfg.num_turns) != cfg.num_turns or r.get("round_turns", plan[k]) != plan[k] \
-                or t >= plan[k] or r["turn"] != offsets[k] + t:
-            fail(f"{path} was written with --num_turns {r.get('num_turns', '?')} or another STTS window, not "
+        if r["num_turns"] != cfg.num_turns or r["round_turns"] != plan[k] or t >= plan[k] \
+                or r["turn"] != offsets[k] + t:
+            fail(f"{path} was written with --num_turns {r['num_turns']} or another STTS window, not "
                  f"--num_turns {cfg.num_turns} --stts_window {cfg.stts_window} (row {i + 1}); {again}")
-        if r.get("model") not in (None, policy_name):
-            fail(f"{path} holds generations of {r.get('model')!r}, not {policy_name!r}; {again}")
+        if r["model"] != policy_name:
+            fail(f"{path} holds generations of {r['model']!r}, not {policy_name!r}; {again}")
     changed = _changed_settings(rows, cfg)
     if changed:
         fail(f"{path} was written with other settings ({'; '.join(changed)}: the file's value, then this "
@@ -594,6 +647,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # rows record the device that evaluated them, not "auto"
     cfg = dataclasses.replace(cfg, device=_resolve_device(cfg.device))
     tasks = _load_tasks(cfg)
+    create_output(cfg.output)
     t0 = time.time()
     policy = load_policy(cfg, cfg.device)
     evaluator = make_evaluator(cfg, cfg.device)

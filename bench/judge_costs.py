@@ -28,13 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import InputError, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel import compare, judge  # noqa: E402
 from drkernel.channel import Channel  # noqa: E402
 from drkernel.evaluator import EvalConfig, resolve_device  # noqa: E402
 from drkernel.runner import import_file  # noqa: E402
-from drkernel.tasks import load_kernelbench  # noqa: E402
+from drkernel.tasks import Task, TaskError, load_kernelbench  # noqa: E402
 
 
 def _timed(fn, device, repeats: int) -> float:
@@ -113,18 +113,42 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--device", default="cuda")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench/results"), "judge_costs.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        raise InputError(f"--repeats must be >= 1, got {args.repeats}")
+    return args
+
+
+def parse_problems(spec: str) -> list[tuple[int, int]]:
+    """The (level, problem id) pairs of `--problems` ("1:19,2:12"); InputError on anything else."""
+    wanted = []
+    for item in filter(None, spec.replace(" ", "").split(",")):
+        parts = item.split(":")
+        if len(parts) != 2 or not all(x.isascii() and x.isdigit() for x in parts):
+            raise InputError(f"--problems: {item!r} is not level:id (e.g. 1:19), in {spec!r}")
+        wanted.append((int(parts[0]), int(parts[1])))
+    if not wanted:
+        raise InputError(f"--problems names no problem: {spec!r} (level:id, comma separated)")
+    return wanted
+
+
+def find_task(kernelbench: str, level: int, pid: int) -> Task:
+    """Problem `pid` of KernelBench level `level`; TaskError when the copy has no such problem."""
+    tasks = load_kernelbench(kernelbench, level, [pid])
+    if not tasks:
+        raise TaskError(f"KernelBench level_{level} in {kernelbench!r} has no problem {pid}")
+    return tasks[0]
 
 
 def main(argv=None) -> dict:
     import torch
     args = parse_args(argv)
+    wanted = parse_problems(args.problems)
     device = torch.device(resolve_device(args.device))  # on cpu: Triton's interpreter, before any kernel
     torch.backends.cuda.matmul.allow_tf32 = False
-    wanted = [tuple(int(x) for x in item.split(":")) for item in args.problems.split(",") if item]
+    tasks = [find_task(args.kernelbench, level, pid) for level, pid in wanted]  # all found before any timing
     rows = {}
-    for level, pid in wanted:
-        task = next(t for t in load_kernelbench(args.kernelbench, level) if t.problem_id == pid)
+    for task in tasks:
         rows[task.name] = costs(task.code, device, args.repeats)
         torch.cuda.empty_cache() if device.type == "cuda" else None
     steps = list(next(iter(rows.values())).keys())

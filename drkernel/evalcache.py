@@ -5,7 +5,8 @@ that can change a verdict, `CACHE_VERSION` and an environment fingerprint (GPU n
 torch and triton versions; on CPU the CPU model instead of GPU and driver). The store is a
 directory of JSON files, one per key in 256 shard folders, written atomically (temporary file +
 `os.replace`), so several processes and ranks may share one directory; an unreadable,
-half-written or foreign entry is a miss, never an error.
+half-written or foreign entry is a miss, never an error. `result_problem` is the one check of a
+stored result (a cache entry's, a row of generate.py or evaluate.py) before it is trusted.
 
 Every result that leaves `evaluate_cached`, fresh or cached, carries its fingerprint in
 `details["environment"]`: every reward says where it was measured.
@@ -30,10 +31,12 @@ import os
 import platform
 import subprocess
 import tempfile
+import typing
 from pathlib import Path
-from typing import Callable, Hashable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Collection, Hashable, Mapping, Sequence, TypeVar
 
 from drkernel.evaltypes import VERDICTS, EvalConfig, EvalResult
+from drkernel.jsonl import field_problem
 
 # Bump when the key's recipe or the meaning of a stored result changes: old entries then miss.
 CACHE_VERSION = 1
@@ -56,6 +59,9 @@ TIMING_HACKS = frozenset({"reference_slowed", "implausible_speedup", "side_strea
 _INFRA_ERRORS = ("out of memory", "memoryerror", "cuda requested but not available", "cannot read input",
                  "evaluator error", "evaluator failure", "sandbox error", "judge error")
 UNKNOWN = "unknown"
+# What each field of a stored result holds (EvalResult's declarations); the feedback reads each
+# of `kernels` as an object.
+RESULT_TYPES: dict[str, Any] = {**typing.get_type_hints(EvalResult), "kernels": list[dict] | None}
 
 Pair = TypeVar("Pair", bound=Hashable)
 
@@ -124,6 +130,15 @@ def with_environment(result: EvalResult, env: Mapping[str, str]) -> EvalResult:
     """`result` with `details["environment"] = env` (in place; returned for chaining)."""
     result.details["environment"] = dict(env)
     return result
+
+
+def result_problem(data: Mapping[str, Any], verdicts: Collection[str] = VERDICTS) -> str | None:
+    """Why `data` is not a stored `EvalResult` (None: it is one): no verdict or one outside
+    `verdicts`, or a field of another type than `RESULT_TYPES` (a field it lacks takes its default)."""
+    problem = field_problem(data, RESULT_TYPES, required=("verdict",))
+    if problem is None and data["verdict"] not in verdicts:
+        problem = f"verdict {data['verdict']!r} is not one of {', '.join(verdicts)}"
+    return problem
 
 
 # ======================================================================================
@@ -209,10 +224,7 @@ class EvalCache:
         if not (isinstance(entry, dict) and entry.get("version") == CACHE_VERSION and entry.get("key") == key
                 and isinstance(entry.get("environment"), dict) and isinstance(entry.get("result"), dict)):
             return None
-        result = entry["result"]
-        if result.get("verdict") not in VERDICTS or not isinstance(result.get("details", {}), dict):
-            return None
-        return entry
+        return entry if result_problem(entry["result"]) is None else None
 
     def get(self, key: str) -> EvalResult | None:
         """The stored result, marked `details["cached"] = True`, or None (a miss).

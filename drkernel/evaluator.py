@@ -617,7 +617,7 @@ _OPTIONS = (
                            "precise enough)", low=1),
     _Option("cpu_perf_trials", "timed calls per program on a CPU", low=1),
     _Option("warmup", "untimed calls before timing (at least one runs)", low=0),
-    _Option("timeout", "seconds for the whole evaluation", low=0, above=True),
+    _Option("timeout", "seconds for the reference's set-up and timing, and again for the candidate", low=0, above=True),
     _Option("seed", "seed of the random inputs and weights", low=0, high=2**32 - 1),  # the usual seed range
     _Option("atol_fp32", "absolute tolerance for fp32 outputs", low=0, above=True, aliases=("--atol",)),
     _Option("rtol_fp32", "relative tolerance for fp32 outputs", low=0, above=True, aliases=("--rtol",)),

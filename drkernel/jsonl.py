@@ -3,7 +3,8 @@
 A run may be killed mid-write, so readers skip a line that is not a complete JSON object
 (`read_jsonl` counts them, `iter_jsonl` reports each with its line number), and a writer that
 appends to such a file first ends the cut line, so that the next row is not glued to it.
-Values are written as strict JSON: NaN and ±inf become null.
+Values are written as strict JSON: NaN and ±inf become null. A reader checks a row's fields
+against their declared types (`field_problem`) before it trusts them.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import dataclasses
 import json
 import math
 import os
+import types
+import typing
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 
 def json_safe(obj: Any) -> Any:
@@ -37,6 +40,71 @@ def finite(x: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return v if math.isfinite(v) else None
+
+
+_TYPE_TEXT = {bool: "true or false", int: "an integer", float: "a number", str: "a string", list: "a list",
+              dict: "an object", type(None): "null"}
+_PLURAL = {bool: "booleans", int: "integers", float: "numbers", str: "strings", list: "lists", dict: "objects"}
+
+
+def _members(tp: Any) -> tuple[Any, ...]:
+    """The types of a union (`X | None`: X, NoneType), or `tp` alone."""
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    return typing.get_args(tp) if union else (tp,)
+
+
+def is_a(value: Any, tp: Any) -> bool:
+    """Whether `value`, read from JSON, has the declared type `tp`: bool, int, float (an int
+    too), str, list, dict, None, a union of them, or `list[X]` (each item an X). A bool is no
+    number and a number no bool. Any other hint accepts anything."""
+    for t in _members(tp):
+        origin = typing.get_origin(t) or t
+        if t is type(None) or t is None:
+            ok = value is None
+        elif origin in (bool, int, float) and (origin is bool) != isinstance(value, bool):
+            ok = False
+        elif origin is float:
+            ok = isinstance(value, (int, float))
+        elif origin in (bool, int, str, dict):
+            ok = isinstance(value, origin)
+        elif origin is list:
+            item = (typing.get_args(t) or (Any,))[0]
+            ok = isinstance(value, list) and all(is_a(v, item) for v in value)
+        else:
+            ok = True
+        if ok:
+            return True
+    return False
+
+
+def _one_type_text(t: Any) -> str:
+    origin, args = typing.get_origin(t) or t, typing.get_args(t)
+    if origin is list and args:
+        return f"a list of {_PLURAL.get(args[0], getattr(args[0], '__name__', 'items'))}"
+    return _TYPE_TEXT.get(origin, getattr(origin, "__name__", str(origin)))
+
+
+def type_text(tp: Any) -> str:
+    """How an error names type `tp`: `a string or null`, `a list of objects`."""
+    return " or ".join(_one_type_text(t) for t in _members(tp))
+
+
+def _shown(value: Any, width: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def field_problem(row: Mapping[str, Any], types_: Mapping[str, Any], required: Iterable[str] = ()) -> str | None:
+    """Why `row` is not a record of `types_` ({field: type hint}): the `required` fields it lacks,
+    or the first field it holds with a value of another type (`is_a`); None when neither."""
+    missing = [k for k in required if k not in row]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return f"lacks {', '.join(missing[:3])}{more}"
+    for name, tp in types_.items():
+        if name in row and not is_a(row[name], tp):
+            return f"{name} is {_shown(row[name])}, not {type_text(tp)}"
+    return None
 
 
 def dumps(obj: Any, **kwargs) -> str:

@@ -52,6 +52,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import time
 import traceback
 from typing import Any
@@ -1279,6 +1280,37 @@ def _verdict(j: Judge, started: float) -> dict:
     return json.loads(json.dumps(j.out.to_dict(), default=repr))
 
 
+class _ReferenceTooSlow(BaseException):
+    """Raised by the alarm when the group's phases (the reference's alone) outlast the timeout; a
+    BaseException so that the phases' own `except Exception` do not rename it."""
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise _ReferenceTooSlow("this process's calls of it ran past the timeout")
+
+
+@contextlib.contextmanager
+def _reference_deadline(seconds: float):
+    """The group's phases end after `seconds`: a reference that hangs in this process is the
+    reference's failure, before the sandbox's own wall (which would call it a timeout) ends the job."""
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _as_reference_error(err: BaseException) -> BaseException:
+    """Before any candidate runs, running out of time is the reference's doing (this process's
+    calls, or the twin's that stopped answering)."""
+    if isinstance(err, _ReferenceTooSlow) or (isinstance(err, Stop) and err.verdict == "timeout"):
+        return Stop("reference_error", f"the reference's set-up and timing did not finish within the "
+                    f"timeout ({err})")
+    return err
+
+
 def _group_failed(r: Reference, err: BaseException, n: int) -> list[dict]:
     """Every candidate's result when the group's own phases failed."""
     verdict, error, _ = _ending(err)
@@ -1324,9 +1356,10 @@ def evaluate(reference_path: str, candidate_paths: list[str], config: dict, runn
             shutil.copyfile(path, os.path.join(channel.dir, os.path.basename(path)))
     try:
         try:
-            _run(GROUP, r, r, "group_gpu_alone_s")
-        except Exception as err:  # noqa: BLE001 - every candidate gets the group's ending
-            return {"results": _group_failed(r, err, len(candidate_paths))}
+            with _reference_deadline(float(r.cfg.timeout)):
+                _run(GROUP, r, r, "group_gpu_alone_s")
+        except (Exception, _ReferenceTooSlow) as err:  # noqa: BLE001 - every candidate gets the group's ending
+            return {"results": _group_failed(r, _as_reference_error(err), len(candidate_paths))}
         results = []
         for k, (runner, path) in enumerate(zip(runners, candidate_paths)):
             started = _perf()

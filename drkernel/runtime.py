@@ -6,7 +6,8 @@ and leave the same things behind in `output_dir`:
     metrics.jsonl                 one JSON object per optimiser step (rank 0 writes it)
     logs/                         the Accelerate trackers' files (TensorBoard by default)
     checkpoint-<step>/            accelerator.save_state (model, optimizer, scheduler, RNG of every
-                                  rank) + trainer_state.json (step, data position, ...)
+                                  rank) + trainer_state.json (step, data position, the state
+                                  files with their sizes, ...)
                                   + model/ (save_pretrained: full weights or the LoRA adapter,
                                   and the tokenizer), so `--model <dir>/checkpoint-N/model`
                                   starts the next stage from it
@@ -17,7 +18,9 @@ the data it already consumed, using the position stored in trainer_state.json.
 
 A checkpoint records the settings it was made with (`SETTINGS_KEY` in its trainer_state.json);
 `start_run` refuses to resume it under other settings, except those in the config class's
-`RESUME_SAFE` (along its MRO), which only warn.
+`RESUME_SAFE` (along its MRO), which only warn. It refuses as well, before any model loads, a
+checkpoint whose state files are missing, cut or not what their names say (`checkpoint_problem`):
+a damaged checkpoint is never silently replaced by a fresh start.
 """
 
 from __future__ import annotations
@@ -27,17 +30,47 @@ import json
 import os
 import re
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
-from drkernel.config import (BELOW_1, COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, ModelSelection,
-                             changed_settings, load_config, shown_path)
+from drkernel.config import (BELOW_1, COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, ModelSelection, Names,
+                             changed_settings, comma_items, limit_problems, load_config, output_problem,
+                             shown_path)
 from drkernel.jsonl import json_safe
 
 T = TypeVar("T")
 TRAINER_STATE = "trainer_state.json"
 SETTINGS_KEY = "config"  # where a checkpoint's trainer_state.json records the run's settings
+STATE_FILES = "files"  # where trainer_state.json lists the checkpoint's state files: {name: bytes}
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
+AUTO = ("auto", "latest")  # --resume_from values that mean the newest complete checkpoint of output_dir
+_TORCH_SAVED = (".bin", ".pkl", ".pt")  # Accelerate's torch.save files: zip archives
+# transformers schedulers that `get_scheduler(name, optimizer, num_warmup_steps, num_training_steps)`
+# cannot build without further arguments, or that step() only with a metric: the stages give neither
+_UNUSABLE_SCHEDULERS = ("reduce_lr_on_plateau", "greedy", "cosine_with_min_lr", "cosine_warmup_with_min_lr",
+                        "warmup_stable_decay")
+
+
+def lr_schedulers() -> tuple[str, ...]:
+    """The `--lr_scheduler` names: transformers' `SchedulerType`s the stages can build and step."""
+    from transformers import SchedulerType
+
+    return tuple(s.value for s in SchedulerType if s.value not in _UNUSABLE_SCHEDULERS)
+
+
+def precisions() -> tuple[str, ...]:
+    """The `--mixed_precision` names: Accelerate's `PrecisionType`s."""
+    from accelerate.utils import PrecisionType
+
+    return tuple(PrecisionType.list())
+
+
+def trackers() -> tuple[str, ...]:
+    """The `--log_with` names: Accelerate's `LoggerType`s (`all` included) and `none`."""
+    from accelerate.utils import LoggerType
+
+    return ("none", *LoggerType.list())
 
 
 @dataclasses.dataclass
@@ -51,6 +84,8 @@ class RunConfig(ModelSelection):
         "lora_r": Limit(0, why="0 = no LoRA"), "lora_alpha": POSITIVE, "lora_dropout": BELOW_1,
         "seed": NON_NEGATIVE, "save_steps": Limit(0, why="0 = only at the end"),
         "save_total_limit": Limit(0, why="0 = keep all"),
+        "lr_scheduler": Names(lr_schedulers), "mixed_precision": Names(precisions),
+        "log_with": Names(trackers, comma_list=True),
     }
     # may change when a run is resumed: where and how often it writes, how long it runs, and how the
     # same update is computed
@@ -64,10 +99,10 @@ class RunConfig(ModelSelection):
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     warmup_steps: int = 0
-    lr_scheduler: str = "constant_with_warmup"  # any transformers.get_scheduler name
+    lr_scheduler: str = "constant_with_warmup"  # a transformers.get_scheduler name (lr_schedulers())
     max_grad_norm: float = 1.0
     gradient_accumulation_steps: int = 1
-    mixed_precision: str = "no"  # "no" | "bf16" | "fp16" (Accelerate)
+    mixed_precision: str = "no"  # "no" | "bf16" | "fp16" | "fp8" (Accelerate)
     gradient_checkpointing: bool = False
     gradient_checkpointing_every: int = dataclasses.field(default=1, metadata={
         "help": "with gradient_checkpointing: checkpoint only every n-th decoder layer (1 = all, least "
@@ -88,6 +123,12 @@ class RunConfig(ModelSelection):
     project_name: str = "drkernel"
 
 
+def option_problems(cfg: RunConfig) -> list[str]:
+    """One sentence per bad setting of a stage's config: its limits and its output directory."""
+    output = output_problem("--output_dir", cfg.output_dir, is_dir=True)
+    return limit_problems(cfg) + ([output] if output else [])
+
+
 def make_accelerator(cfg: RunConfig, config_dict: dict[str, Any] | None = None):
     """An Accelerator writing its trackers under `<output_dir>/logs`; trackers degrade to none
     with a warning when their package is missing (a tracker should never stop a run)."""
@@ -95,9 +136,8 @@ def make_accelerator(cfg: RunConfig, config_dict: dict[str, Any] | None = None):
     from accelerate.utils import ProjectConfiguration, set_seed
 
     out = Path(cfg.output_dir)
-    trackers = [t.strip() for t in (cfg.log_with or "").split(",") if t.strip() and t.strip() != "none"]
     usable = []
-    for t in trackers:
+    for t in [t for t in comma_items(cfg.log_with) if t != "none"]:
         if t == "tensorboard":
             try:
                 import torch.utils.tensorboard  # noqa: F401
@@ -105,12 +145,15 @@ def make_accelerator(cfg: RunConfig, config_dict: dict[str, Any] | None = None):
                 print(f"[drkernel] tensorboard unavailable ({exc}); logging to metrics.jsonl only")
                 continue
         usable.append(t)
-    acc = Accelerator(
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        mixed_precision=cfg.mixed_precision,
-        log_with=usable or None,
-        project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
-    )
+    try:
+        acc = Accelerator(
+            gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+            mixed_precision=cfg.mixed_precision,
+            log_with=usable or None,
+            project_config=ProjectConfiguration(project_dir=str(out), logging_dir=str(out / "logs")),
+        )
+    except ValueError as exc:  # a known setting this machine cannot honour, e.g. fp8 without its package
+        raise ConfigError(f"mixed_precision={cfg.mixed_precision!r}, log_with={cfg.log_with!r}: {exc}") from None
     set_seed(cfg.seed, device_specific=True)
     if usable:
         acc.init_trackers(cfg.project_name, config=_flat_scalars(config_dict or dataclasses.asdict(cfg)))
@@ -171,15 +214,18 @@ class MetricsLogger:
             self.acc.end_training()
 
 
-def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints in `output_dir`, oldest first (a checkpoint without its
-    trainer_state.json was interrupted while saving and is ignored)."""
+def _numbered(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
+    """(N, path) of every checkpoint-N directory in `output_dir`, complete or not, oldest first."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in out.iterdir()
-             if (m := _CKPT.match(p.name)) and (p / TRAINER_STATE).is_file()]
-    return [p for _, p in sorted(found)]
+    return sorted((int(m.group(1)), p) for p in out.iterdir() if (m := _CKPT.match(p.name)) and p.is_dir())
+
+
+def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints in `output_dir`, oldest first (a checkpoint without its
+    trainer_state.json was interrupted while saving and is ignored)."""
+    return [p for _, p in _numbered(output_dir) if (p / TRAINER_STATE).is_file()]
 
 
 def resolve_resume(resume_from: str | None, output_dir: str | os.PathLike) -> Path | None:
@@ -187,7 +233,7 @@ def resolve_resume(resume_from: str | None, output_dir: str | os.PathLike) -> Pa
     a path → that checkpoint, which must exist."""
     if not resume_from:
         return None
-    if resume_from in ("auto", "latest"):
+    if resume_from in AUTO:
         found = checkpoints(output_dir)
         return found[-1] if found else None
     path = Path(resume_from)
@@ -218,7 +264,7 @@ def save_checkpoint(accelerator, model, tokenizer, cfg: RunConfig, step: int,
     save_model(accelerator, model, tokenizer, path / "model")
     if accelerator.is_main_process:
         with open(path / TRAINER_STATE, "w") as fh:  # written last: marks the checkpoint complete
-            json.dump({"step": int(step), **state}, fh, indent=1)
+            json.dump({"step": int(step), **state, STATE_FILES: _state_files(path)}, fh, indent=1)
         if cfg.save_total_limit > 0:
             import shutil
 
@@ -229,10 +275,69 @@ def save_checkpoint(accelerator, model, tokenizer, cfg: RunConfig, step: int,
 
 
 def load_checkpoint(accelerator, path: str | os.PathLike) -> dict[str, Any]:
-    """Restore model/optimizer/scheduler/RNG in place; return trainer_state.json."""
-    accelerator.load_state(str(path))
-    with open(Path(path) / TRAINER_STATE) as fh:
-        return json.load(fh)
+    """Restore model/optimizer/scheduler/RNG in place; return trainer_state.json. A checkpoint that
+    cannot be restored is a ConfigError naming it."""
+    state = read_state(Path(path))
+    try:
+        accelerator.load_state(str(path))
+    except Exception as exc:  # whatever the library raises, the run cannot continue from it (nor start afresh)
+        raise ConfigError(f"cannot restore {shown_path(path)}: {error_line(exc)}") from None
+    return state
+
+
+def error_line(exc: BaseException) -> str:
+    """A library's exception as one line of ours: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _state_files(path: Path) -> dict[str, int]:
+    """{name: bytes} of a checkpoint's state files (what `load_state` reads), for `checkpoint_problem`."""
+    return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file() and p.name != TRAINER_STATE}
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's trainer_state.json; a ConfigError naming it when it is unreadable or has no step."""
+    file = path / TRAINER_STATE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{shown_path(file)}: cannot read it ({exc})") from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ConfigError(f"{shown_path(file)}: not a trainer state (no integer step)")
+    return state
+
+
+def _file_problem(file: Path, size: Any) -> str | None:
+    """Why a checkpoint's state file cannot be restored (missing, of another size than saved, or not
+    the format its name says; `size` None: not recorded), or None. Cheap: no tensor is read."""
+    if not file.is_file():
+        return "missing"
+    if size is not None and file.stat().st_size != size:
+        return f"{file.stat().st_size} bytes, saved with {size} (cut or overwritten)"
+    if file.suffix in _TORCH_SAVED and not zipfile.is_zipfile(file):
+        return "not a torch.save archive (cut or overwritten)"
+    if file.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+        try:
+            with safe_open(str(file), framework="pt"):  # reads the header and checks it covers the file
+                pass
+        except (SafetensorError, OSError) as exc:
+            return f"not a readable safetensors file ({exc})"
+    return None
+
+
+def checkpoint_problem(path: Path, state: dict[str, Any]) -> str | None:
+    """The first state file of checkpoint `path` that cannot be restored, and why; None when all can.
+    The files are those its trainer_state.json lists (older checkpoints list none: those present)."""
+    listed = state.get(STATE_FILES)
+    if not isinstance(listed, dict):
+        listed = dict.fromkeys(p.name for p in path.iterdir() if p.is_file() and p.name != TRAINER_STATE)
+    for name, size in sorted(listed.items()):
+        if (why := _file_problem(path / name, size)) is not None:
+            return f"{shown_path(path / name)}: {why}"
+    return None
 
 
 # --------------------------------------------------------------------------------------
@@ -249,24 +354,21 @@ def resume_safe(cls: type) -> set[str]:
     return {k for klass in cls.__mro__ for k in vars(klass).get("RESUME_SAFE", ())}
 
 
-def _recorded_settings(state_file: Path) -> dict[str, Any] | None:
-    try:
-        state = json.loads(state_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{state_file}: cannot read it ({exc})") from None
-    saved = state.get(SETTINGS_KEY) if isinstance(state, dict) else None
-    return saved if isinstance(saved, dict) else None
-
-
 def check_resume(cfg: Any) -> list[str]:
-    """Before resuming `cfg.resume_from`: a ConfigError naming every setting that differs from the
-    checkpoint's, except those in `RESUME_SAFE`; for those, the warnings to print."""
+    """Before resuming `cfg.resume_from` (before any model loads): a ConfigError naming a state file
+    that cannot be restored, or every setting that differs from the checkpoint's, except those in
+    `RESUME_SAFE`; for those, the warnings to print."""
     path = resolve_resume(cfg.resume_from, cfg.output_dir)
+    passed = _passed_over(cfg, path)
     if path is None:
-        return []
-    saved = _recorded_settings(path / TRAINER_STATE)
-    if saved is None:
-        return [f"{shown_path(path)} does not record the settings it was made with; they are not checked"]
+        return passed
+    state = read_state(path)
+    if (problem := checkpoint_problem(path, state)) is not None:
+        raise ConfigError(f"--resume_from {cfg.resume_from}: {problem}; resume from an earlier checkpoint "
+                          f"(--resume_from DIR) or start a new run in another --output_dir")
+    saved = state.get(SETTINGS_KEY)
+    if not isinstance(saved, dict):
+        return passed + [f"{shown_path(path)} does not record the settings it was made with; they are not checked"]
     changes = changed_settings(saved, cfg)
     safe = resume_safe(type(cfg))
     refused = [c for c in changes if c.key not in safe]
@@ -277,10 +379,21 @@ def check_resume(cfg: Any) -> list[str]:
             f"continue that run under settings it was not trained with: give the settings it was made with "
             f"(the same --config and options) or start a new run in another --output_dir. "
             f"Only {', '.join(sorted(safe))} may change on resume.")
-    return [f"resuming {shown_path(path)} with {c} (a setting that may change on resume)" for c in changes]
+    return passed + [f"resuming {shown_path(path)} with {c} (a setting that may change on resume)" for c in changes]
 
 
-def _say(line: str) -> None:
+def _passed_over(cfg: Any, path: Path | None) -> list[str]:
+    """Warnings for the checkpoints newer than `path` (None: any) that `--resume_from auto` passes
+    over: saves cut off before their trainer_state.json was written. Said, so no fresh start is silent."""
+    if cfg.resume_from not in AUTO:
+        return []
+    newest = int(_CKPT.match(path.name).group(1)) if path is not None else -1
+    instead = f"resuming {shown_path(path)}" if path is not None else "starting afresh"
+    return [f"{shown_path(p)} has no {TRAINER_STATE} (its save was cut off): {instead}"
+            for n, p in _numbered(cfg.output_dir) if n > newest]
+
+
+def say(line: str) -> None:
     """A line on stderr, once per launch (from the first process of `accelerate launch`)."""
     if os.environ.get("RANK", "0") == "0":
         print(line, file=sys.stderr, flush=True)
@@ -290,7 +403,7 @@ def start_run(cls: type[T], argv: Sequence[str] | None, preset: str | os.PathLik
     """A training stage's settings (`load_config`), announced in one line on stderr, with the
     resume check done (ConfigError when it refuses)."""
     run = load_config(cls, argv, preset)
-    _say(run.start_line(prog))
+    say(run.start_line(prog))
     for warning in check_resume(run.cfg):
-        _say(f"{prog}: warning: {warning}")
+        say(f"{prog}: warning: {warning}")
     return run.cfg

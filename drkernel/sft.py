@@ -30,14 +30,16 @@ import functools
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from drkernel.config import COUNT, NON_NEGATIVE, ConfigError, Limit, OneOf, limit_problems
-from drkernel.runtime import RunConfig, record_settings, start_run
+from drkernel.config import COUNT, NON_NEGATIVE, ConfigError, Limit, OneOf
+from drkernel.jsonl import JsonlLine, first_reasons, iter_jsonl
+from drkernel.runtime import RunConfig, error_line, option_problems, record_settings, say, start_run
 from drkernel.sft_data import (IGNORE_INDEX, OVERLONG, DataStats, SFTDataError, collate, load_conversations,
-                               pack_sequences, tokenize_dataset)
+                               pack_sequences, tokenize_dataset, validate_messages)
 
 
 @dataclasses.dataclass
@@ -59,6 +61,7 @@ class SFTConfig(RunConfig):
     lr_scheduler: str = "cosine"
     save_steps: int = 50
     dataset: str | None = None  # hub id, local dir, or .jsonl/.json/.parquet file; None: bundled set
+    # (a .jsonl file's unusable lines are skipped and named: read_conversations)
     dataset_split: str = "train"
     max_length: int = 4096  # tokens per sequence (and per packed row)
     overlong: str = "truncate"  # longer sequences: "truncate" or "drop"
@@ -75,7 +78,7 @@ class SFTConfig(RunConfig):
 
 def _validate(cfg: SFTConfig) -> None:
     """Every value checked once, when the config is made: a ConfigError names what is wrong."""
-    problems = limit_problems(cfg)
+    problems = option_problems(cfg)
     if problems:
         raise ConfigError("; ".join(problems))
     if cfg.num_epochs < 1 and cfg.max_steps <= 0:
@@ -249,10 +252,61 @@ def _trim_metrics(output_dir: str, last_step: int) -> None:
     path.write_text("".join(k + "\n" for k in keep))
 
 
-def _load_rows(cfg: SFTConfig, tokenizer) -> tuple[list[dict], DataStats]:
+def _line_problem(line: JsonlLine) -> str | None:
+    """Why a line of a JSONL dataset holds no conversation (cut by a killed writer, not a JSON
+    object, or without valid `messages`), or None when it holds one."""
+    if line.row is None:
+        return f"line {line.lineno}: {line.error}"
+    try:
+        validate_messages(line.row.get("messages"), f"line {line.lineno}")
+    except SFTDataError as exc:
+        return str(exc)
+    return None
+
+
+def _usable_lines(path: Path) -> tuple[list[dict], list[str]]:
+    """The rows of a JSONL dataset that hold a conversation, and why each other line does not."""
+    try:
+        lines = [(line, _line_problem(line)) for line in iter_jsonl(path)]
+    except OSError as exc:
+        raise SFTDataError(f"--dataset {path}: cannot read it ({exc.strerror or exc})") from None
+    return [line.row for line, why in lines if why is None], [why for _, why in lines if why]
+
+
+def _read_dataset(spec: str | None, split: str, shown: str | None = None) -> list[dict]:
+    """`load_conversations(spec, split)`; what `datasets` raises on a local file becomes an
+    SFTDataError naming the dataset (`shown`, else `spec`)."""
+    try:
+        return load_conversations(spec, split)
+    except SFTDataError:
+        raise
+    except Exception as exc:  # datasets' errors on a file it cannot parse (their cause says why)
+        raise SFTDataError(f"--dataset {shown or spec}: cannot be read ({error_line(exc.__cause__ or exc)})") from None
+
+
+def read_conversations(cfg: SFTConfig) -> list[dict]:
+    """The conversations of `--dataset`. A local .jsonl file's unusable lines are skipped and named
+    in one stderr line; the rest still loads through `datasets`, from a copy without them."""
+    path = Path(cfg.dataset or "")
+    if path.is_file() and path.stat().st_size == 0:
+        raise SFTDataError(f"--dataset {path}: the file is empty")
+    if path.suffix != ".jsonl" or not path.is_file():
+        return _read_dataset(cfg.dataset, cfg.dataset_split)
+    rows, skipped = _usable_lines(path)
+    if not rows:
+        raise SFTDataError(f"--dataset {path}: no usable rows ({first_reasons(skipped) or 'only blank lines'})")
+    if not skipped:
+        return _read_dataset(str(path), cfg.dataset_split)
+    say(f"[sft] warning: --dataset {path}: skipped {len(skipped)} unusable line(s): {first_reasons(skipped)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        clean = Path(tmp) / path.name
+        clean.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return _read_dataset(str(clean), cfg.dataset_split, shown=str(path))
+
+
+def _load_rows(cfg: SFTConfig, conversations: list[dict], tokenizer) -> tuple[list[dict], DataStats]:
     """The training rows (sequences, or packed rows of them) and what tokenising did."""
-    rows = load_conversations(cfg.dataset, cfg.dataset_split)
-    examples, dstats = tokenize_dataset(rows, tokenizer, cfg.max_length, cfg.overlong)
+    examples, dstats = tokenize_dataset(conversations, tokenizer, cfg.max_length, cfg.overlong)
     if not examples:
         raise SFTDataError(f"no sequence left to train on ({dstats.dropped} dropped: too long for "
                            f"max_length={cfg.max_length} or no assistant token within it)")
@@ -325,10 +379,11 @@ def train(cfg: SFTConfig) -> dict:
     from drkernel.modeling import load_tokenizer
     from drkernel.report import write_run_report
 
+    conversations = read_conversations(cfg)  # a bad dataset is said before anything loads
     # we accumulate ourselves (see sft_step), so Accelerate must not rescale the loss
     acc = rt.make_accelerator(dataclasses.replace(cfg, gradient_accumulation_steps=1), dataclasses.asdict(cfg))
     tokenizer = load_tokenizer(cfg.model, cfg.tokenizer)
-    units, dstats = _load_rows(cfg, tokenizer)
+    units, dstats = _load_rows(cfg, conversations, tokenizer)
     plan = RowPlan.make(cfg, len(units), acc.num_processes)
     if acc.is_main_process:
         print(_data_line(cfg, dstats, plan))

@@ -53,16 +53,18 @@ import torch.utils.checkpoint
 
 from drkernel.advantages import ESTIMATORS, SCALES, compute_advantages
 from drkernel.config import (BELOW_1, COUNT, FINITE, FRACTION, NON_NEGATIVE, POSITIVE, UP_TO_1, WORKERS, ConfigError, Limit,
-                             OneOf, TaskSelection, compose, limit_problems)
-from drkernel.evaltypes import EvalConfig, EvalResult
+                             Names, OneOf, TaskSelection, comma_items, compose)
+from drkernel.evaltypes import VERDICTS, EvalConfig, EvalResult
 from drkernel.generation import GenerationConfig, GenOutput, logprob_temperature
 from drkernel.loss import LOSS_TYPES, LossConfig, policy_loss
 from drkernel.mismatch import MismatchConfig, mismatch_correction
+from drkernel.prompts import FORMAT_ERROR
 from drkernel.rewards import RewardConfig, prs_keep
 from drkernel.rollout import (EvaluateFn, EvaluatorFailure, RolloutConfig, TurnSample, derived_seed, rollout,
                               rollout_stats, to_training_batch)
 from drkernel.runtime import (MetricsLogger, RunConfig, load_checkpoint, make_accelerator, make_optimizer,
-                              record_settings, resolve_resume, save_checkpoint, save_model, start_run)
+                              option_problems, record_settings, resolve_resume, save_checkpoint, save_model,
+                              start_run)
 from drkernel.tasks import Task, TaskError
 
 
@@ -299,6 +301,8 @@ class Trainer:
             return
         state = load_checkpoint(self.acc, path)
         self.step = int(state["step"])
+        if not isinstance(state.get("sampler"), dict):  # e.g. an SFT checkpoint: no task position to go on from
+            raise ConfigError(f"{path}: its trainer_state.json has no task-sampler position (not an RL checkpoint)")
         self.sampler.load_state_dict(state["sampler"])
         self._print(f"resumed from {path} at step {self.step}")
 
@@ -452,7 +456,7 @@ def turn_flags(traj: Sequence[TurnSample], cfg: TrainConfig, rng: random.Random)
     Void turns (`mask_void_turn`) and every turn of a trajectory with an evaluator failure
     (`drop_failed_trajectories`) leave both; PRS and the outcome masks leave only the loss, so
     those turns still count in their group's baseline."""
-    rcfg, verdicts = cfg.reward_config(), {v.strip() for v in cfg.mask_verdicts.split(",") if v.strip()}
+    rcfg, verdicts = cfg.reward_config(), set(comma_items(cfg.mask_verdicts))
     failed = any(isinstance(s.result, EvaluatorFailure) for s in traj)
     void = void_turns([s.reward for s in traj]) if cfg.mask_void_turn else [False] * len(traj)
     out = []
@@ -1078,6 +1082,7 @@ def pad_token_id(tokenizer) -> int:
 # defaults come from these, in one place (see drkernel.config: SHARED)
 _E, _G, _L, _M, _R, _Ro = EvalConfig, GenerationConfig, LossConfig, MismatchConfig, RewardConfig, RolloutConfig
 LOSS_DENOMINATORS = ("batch", "kept")
+MASKABLE_VERDICTS = (*VERDICTS, FORMAT_ERROR)  # the verdicts a turn can have (the evaluator's, and no code)
 
 
 @dataclasses.dataclass
@@ -1125,6 +1130,7 @@ class TrainConfig(RunConfig, TaskSelection):
         "token_is_cap": POSITIVE, "seq_is_cap": POSITIVE, "geo_low": POSITIVE, "geo_high": POSITIVE,
         "token_veto": POSITIVE, "estimator": OneOf(ESTIMATORS), "scale_rewards": OneOf(SCALES),
         "loss_type": OneOf(LOSS_TYPES), "loss_denominator": OneOf(LOSS_DENOMINATORS),
+        "mask_verdicts": Names(MASKABLE_VERDICTS, comma_list=True),
     }
     # beside RunConfig's, may change when a run is resumed: bookkeeping, and how the same rollout and
     # update are computed
@@ -1224,7 +1230,7 @@ class TrainConfig(RunConfig, TaskSelection):
     dump_prompts: bool = dataclasses.field(default=False, metadata={"help": "include prompt text in rollout dumps"})
 
     def __post_init__(self) -> None:
-        problems = limit_problems(self)
+        problems = option_problems(self)
         if self.scale_rewards != "none" and self.estimator != "grpo":
             problems.append("scale_rewards=group needs estimator=grpo")
         if self.gradient_accumulation_steps != 1:

@@ -124,3 +124,84 @@ def test_tiny_replay_step_evaluates_real_candidates(tmp_path, monkeypatch, fresh
     # on a CPU no turn has a profile: PRS drops the correct ones from the update
     assert step["truncated"] == 0 and step["update_samples"] == 2 - step["verdicts"].get("turn1:correct", 0)
     assert sum(step["phases_s"].values()) == pytest.approx(step["step_s"], rel=1e-6)
+
+
+# ---- bad input: one line, exit status 2, before any model is built -------------------------------
+
+def _gpu_visible() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def test_rl_step_with_a_gpu_asked_for_and_missing_is_one_line(tmp_path):
+    import subprocess
+
+    if _gpu_visible():
+        pytest.skip("a GPU is visible")
+    out = tmp_path / "rl_step.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "rl_step.py"), "--device", "cuda", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "rl_step.py: error: --device cuda: no GPU is visible (torch.cuda.is_available() is False); "
+        "use --device cpu or auto"]
+    assert not out.exists()
+
+
+def _bad_vocab(tmp_path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "gpu"], "bad --device 'gpu': use auto, cpu, cuda or cuda:N"),
+    (["--layers", "-1"], "--layers must be >= 0, got -1"),
+    (["--num-tasks", "0"], "tasks_per_step must be >= 1, got 0"),
+    (["--steps", "0"], "max_steps must be >= 1, got 0"),
+    (["--levels", "x"], "levels must be a comma list of integers, not 'x'"),
+    (["--", "--no_such_key", "1"], "unknown option(s) --no_such_key"),
+    (["--vocab-file", "{tmp}/missing.tiktoken"], "missing.tiktoken: not a file"),
+    (["--vocab-file", "{tmp}"], ": not a file"),
+    (["--vocab-file", "{garbage}"], "garbage.tiktoken:2: not a qwen.tiktoken BPE ranks file"),
+    (["--vocab-file", "{small}"], "small.tiktoken is not the Qwen2 vocabulary (<|endoftext|> got id 2)"),
+])
+def test_rl_step_on_bad_input_says_one_line_and_exits_2(args, message, tmp_path, monkeypatch, capsys):
+    from bench.entry import exit_status
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # main() sets it; undone after the test
+    subst = {"{tmp}": str(tmp_path), "{garbage}": _bad_vocab(tmp_path, "garbage.tiktoken", "IQ== 0\nnot base64\n"),
+             "{small}": _bad_vocab(tmp_path, "small.tiktoken", "IQ== 0\nIg== 1\n")}
+    args = [subst.get(a, a.replace("{tmp}", str(tmp_path))) for a in args]
+    out = tmp_path / "rl_step.json"
+    # a bad --tasks too: an input the check misses fails on it, after a tiny model, not after a step
+    argv = ["--device", "cpu", "--tiny", "--layers", "1", "--num-tasks", "1", "--num-generations", "2",
+            "--max-new-tokens", "2", "--steps", "1", "--tasks", str(tmp_path / "no_kernelbench"), "--out", str(out)]
+    argv += args
+    status = exit_status(lambda: rl_step.main(argv))
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert ": error: " in last and message in last, err
+    assert not out.exists()
+
+
+def test_rl_step_with_a_missing_gpu_for_the_evaluator_says_so_before_building_a_model(tmp_path, monkeypatch,
+                                                                                      capsys):
+    from bench.entry import exit_status
+
+    if _gpu_visible():
+        pytest.skip("a GPU is visible")
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    monkeypatch.setattr(rl_step, "save_random_model", lambda *a, **k: pytest.fail("built a model"))
+    status = exit_status(lambda: rl_step.main(["--device", "cpu", "--out", str(tmp_path / "r.json"), "--",
+                                               "--eval_device", "cuda"]))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert status == 2 and last.endswith("error: eval_device: --device cuda: no GPU is visible "
+                                         "(torch.cuda.is_available() is False); use --device cpu or auto")
+
+
+def test_rl_step_dtype_is_bf16_or_fp32():
+    with pytest.raises(SystemExit) as exc:  # argparse: usage and one error line, status 2
+        rl_step.main(["--dtype", "fp16"])
+    assert exc.value.code == 2

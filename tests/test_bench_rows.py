@@ -66,3 +66,53 @@ def test_a_gpu_benchmark_on_a_machine_without_one_is_one_line_and_no_json(script
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "no GPU is visible" in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert not out.exists()
+
+
+# ---- bench/judge_costs.py on bad input: one line, exit status 2, no JSON ----------------------
+
+@pytest.fixture
+def one_problem_kernelbench(tmp_path):
+    """A KernelBench copy in the hub's layout holding one small problem: level 1, id 1."""
+    import json
+
+    from drkernel.tasks import load_tasks
+
+    task = min(load_tasks("bundled"), key=lambda t: len(t.code))
+    split = tmp_path / "kb" / "data" / "level_1-00000-of-00001.jsonl"
+    split.parent.mkdir(parents=True)
+    split.write_text(json.dumps({"code": task.code, "level": 1, "name": task.name, "problem_id": 1}) + "\n")
+    return split.parent.parent
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--problems", "x"], "--problems: 'x' is not level:id (e.g. 1:19), in 'x'"),
+    (["--problems", "1:1,1:19:3"], "--problems: '1:19:3' is not level:id"),
+    (["--problems", "1:-1"], "--problems: '1:-1' is not level:id"),
+    (["--problems", ","], "--problems names no problem"),
+    (["--problems", "1:1,1:9999"], "has no problem 9999"),
+    (["--problems", "1:1", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--problems", "1:1", "--repeats", "-3"], "--repeats must be >= 1, got -3"),
+])
+def test_judge_costs_on_bad_input_says_one_line_and_exits_2(args, message, one_problem_kernelbench, tmp_path,
+                                                             capsys):
+    from bench import judge_costs
+    from bench.entry import exit_status
+
+    out = tmp_path / "judge_costs.json"
+    argv = ["--device", "cpu", "--kernelbench", str(one_problem_kernelbench), "--json", str(out), *args]
+    status = exit_status(lambda: judge_costs.main(argv))
+    err = capsys.readouterr().err  # before the line: at most `datasets`' progress bars
+    assert status == 2 and "Traceback" not in err, err
+    assert ": error: " in err.strip().splitlines()[-1] and message in err.strip().splitlines()[-1], err
+    assert not out.exists()
+
+
+def test_judge_costs_with_zero_repeats_is_one_line_from_the_command_line(tmp_path):
+    import subprocess
+
+    out = tmp_path / "judge_costs.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "judge_costs.py"), "--repeats", "0",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == ["judge_costs.py: error: --repeats must be >= 1, got 0"]
+    assert not out.exists()

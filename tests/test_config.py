@@ -120,6 +120,64 @@ def test_a_library_limit_reaches_every_script_that_mirrors_it():
         TrainConfig(temperature=0.0)
 
 
+def test_names_check_a_value_or_a_comma_list_against_a_library_listing():
+    from drkernel.config import Names
+
+    calls = []
+    lazy = Names(lambda: calls.append(1) or ("a", "b"))
+    assert calls == []  # the listing is read only when a value is checked
+    assert lazy.problem("x", "a") is None and calls == [1]
+    assert lazy.problem("x", "c") == "x must be one of a, b, got 'c'"
+    listed = Names(("a", "b"), comma_list=True)
+    assert listed.problem("x", "") is None and listed.problem("x", " a, b,") is None
+    assert listed.problem("x", "a,zz") == "x must be a comma list of a, b, got 'zz'"
+
+
+@pytest.mark.parametrize("cls", (TrainConfig, SFTConfig), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("key,value,allowed", [("lr_scheduler", "foo", "cosine"), ("mixed_precision", "fp4", "bf16"),
+                                               ("log_with", "tensorboard,foo", "wandb")])
+def test_library_names_are_checked_with_the_allowed_ones_listed(cls, key, value, allowed):
+    with pytest.raises(ValueError, match=f"^{key} must be .*{allowed}.*, got '(foo|fp4)'$"):
+        parse_config(cls, [f"--{key}", value])
+
+
+def test_every_allowed_lr_scheduler_builds_and_steps_as_the_stages_use_it():
+    """What --lr_scheduler accepts comes from transformers' SchedulerType, less the schedulers that
+    `get_scheduler` cannot build without further arguments or step without a metric."""
+    import torch
+    from transformers import get_scheduler
+
+    from drkernel.runtime import lr_schedulers
+
+    assert {"linear", "cosine", "constant_with_warmup"} <= set(lr_schedulers())
+    assert "reduce_lr_on_plateau" not in lr_schedulers()
+    for name in lr_schedulers():
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        scheduler = get_scheduler(name, optimizer, num_warmup_steps=1, num_training_steps=4)
+        optimizer.step()
+        scheduler.step()
+
+
+def test_mask_verdicts_are_verdict_names():
+    from drkernel.evaltypes import VERDICTS
+
+    assert parse_config(TrainConfig, ["--mask_verdicts", "timeout, crashed,format_error"]).mask_verdicts
+    assert all(parse_config(TrainConfig, ["--mask_verdicts", v]) for v in VERDICTS)
+    with pytest.raises(ValueError, match="^mask_verdicts must be a comma list of correct, .*timeout.*, got 'timeuot'$"):
+        parse_config(TrainConfig, ["--mask_verdicts", "crashed,timeuot"])
+
+
+@pytest.mark.parametrize("cls", (TrainConfig, SFTConfig), ids=lambda c: c.__name__)
+def test_output_dir_must_be_a_directory_that_can_be_made(cls, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert parse_config(cls, ["--output_dir", str(tmp_path / "new" / "run")]).output_dir
+    for value, says in [(str(a_file), "is a file, not a directory"), ("", "is empty"),
+                        (str(a_file / "run"), "lies below a file")]:
+        with pytest.raises(ValueError, match=f"^--output_dir .*{says}"):
+            parse_config(cls, ["--output_dir", value])
+
+
 # ---------------------------------------------------------------------------- the released recipe
 
 def recipe_table() -> dict[str, str]:

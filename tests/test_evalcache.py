@@ -148,6 +148,9 @@ def test_hit_rate_without_lookups_is_zero():
     b"", b"{", b"\xff\xfe not utf-8", b"[1, 2]", b"null",
     b'{"version": 1, "key": "KEY", "environment": {}, "result": {"verdict": "correct", "details": []}}',
     b'{"version": 1, "key": "KEY", "environment": {}, "result": {"verdict": "great"}}',
+    b'{"version": 1, "key": "KEY", "environment": {}, "result": {"verdict": "correct", "correct": "yes"}}',
+    b'{"version": 1, "key": "KEY", "environment": {}, "result": {"verdict": "correct", "speedup": "9"}}',
+    b'{"version": 1, "key": "KEY", "environment": {}, "result": {"verdict": "correct", "kernels": [1]}}',
     b'{"version": 1, "key": "other", "environment": {}, "result": {"verdict": "correct"}}',
     b'{"version": 0, "key": "KEY", "environment": {}, "result": {"verdict": "correct"}}',
 ])
@@ -160,6 +163,19 @@ def test_corrupted_entries_are_misses(tmp_path, content):
     assert cache.get(key) is None and cache.stats.misses == 1
     assert cache.put(key, result())  # a good entry replaces the bad one
     assert cache.get(key).verdict == "correct"
+
+
+def test_result_problem_names_the_first_mistyped_field():
+    assert evalcache.result_problem(result().to_dict()) is None
+    assert evalcache.result_problem({"verdict": "correct", "speedup": 2, "trials": 3}) is None  # an int is a number
+    for data, problem in (({}, "lacks verdict"), ({"verdict": 5}, "verdict is 5, not a string"),
+                          ({"verdict": "format_error"}, "verdict 'format_error' is not one of correct,"),
+                          ({"verdict": "correct", "correct": 1}, "correct is 1, not true or false"),
+                          ({"verdict": "correct", "trials": True}, "trials is True, not an integer"),
+                          ({"verdict": "correct", "hacks": None}, "hacks is None, not a list"),
+                          ({"verdict": "correct", "details": []}, "details is [], not an object")):
+        assert evalcache.result_problem(data).startswith(problem), data
+    assert evalcache.result_problem({"verdict": "format_error"}, (*evalcache.VERDICTS, "format_error")) is None
 
 
 def test_half_written_entry_is_a_miss(tmp_path):

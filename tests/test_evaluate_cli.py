@@ -110,7 +110,7 @@ def test_resume_after_kill(tmp_path, fake):
 
 def _results_tolerant(out):
     rows, bad = evaluate.read_results(out / "results.jsonl")
-    assert bad == 1  # the garbage line is kept on its own line and skipped
+    assert len(bad) == 1 and bad[0].startswith("line 2: not a JSON object")  # kept on its own line, skipped
     return rows
 
 
@@ -270,6 +270,28 @@ def test_resume_reevaluates_verdicts_the_machine_may_have_caused(tmp_path, fake,
     assert "2 x its verdict (timeout) may have been caused by the machine" in capsys.readouterr().err
 
 
+def test_resume_reevaluates_mistyped_rows_and_names_them(tmp_path, fake, capsys):
+    out = tmp_path / "eval"
+    args = ["--problem_ids", "1,2,3,4", "--output_dir", str(out), "--device", "cpu"]
+    fake["ev"] = FakeEvaluator(default="incorrect")
+    evaluate.main(args)
+    rows = _results(out)
+    rows[0]["correct"] = "yes"  # with verdict correct, trusted, it would count as a correct attempt
+    rows[0]["verdict"] = "correct"
+    rows[1]["speedup"] = "9"
+    rows[2]["settings"]["timeout"] = "180"
+    del rows[3]["candidate"]
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    fake["ev"] = FakeEvaluator(default="incorrect")
+    s = evaluate.main(args)
+    assert len(fake["ev"].evaluated) == 4 and s["skipped_resumed"] == 0 and s["correct_rate"] == 0.0
+    err = capsys.readouterr().err
+    assert "4 line(s) are not usable results, their attempts are evaluated again: line 1: correct is 'yes', not " \
+           "true or false; line 2: speedup is '9', not a number or null; line 3: settings: timeout is '180', not " \
+           "a number; and 1 more" in err
+
+
 def _edit_stored_settings(path, **changes):
     """Rewrite the settings record of every stored row (`section__name` for a nested field)."""
     rows = _results(path.parent)
@@ -319,6 +341,23 @@ def test_usage_errors_exit_2_with_one_line(tmp_path, fake, capsys, flags, messag
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("evaluate.py: error: ") and message in err[-1]
     assert fake["ev"].calls == [] and not (tmp_path / "eval").exists()
+
+
+def test_unusable_output_paths_are_usage_errors(tmp_path, fake, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an empty --output_dir once wrote into the working directory
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for flags, message in ((["--output_dir", str(a_file)], f"--output_dir {a_file}: is a file, not a directory"),
+                           (["--output_dir", ""], "--output_dir is empty (name a directory)"),
+                           (["--output_dir", str(a_file / "eval")], f"--output_dir {a_file / 'eval'}: lies below a file"),
+                           (["--output_dir", "/proc/drk_none/eval"], "--output_dir /proc/drk_none/eval: "),
+                           (["--cache_dir", str(a_file)], f"--cache_dir {a_file}: is a file, not a directory")):
+        with pytest.raises(SystemExit) as exc:
+            evaluate.main(["--output_dir", str(tmp_path / "eval"), "--problem_ids", "1", "--device", "cpu"] + flags)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and err[-1].startswith("evaluate.py: error: ") and message in err[-1], flags
+        assert "Traceback" not in "".join(err)
+    assert fake["ev"].calls == [] and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def test_cuda_without_a_gpu_is_a_usage_error(tmp_path, fake, capsys):

@@ -74,3 +74,31 @@ def test_fault_verdict_on_gpu(path):
         evaluator.close()
     assert r.verdict == h["expect"], (r.verdict, r.error)
     assert good.verdict == "correct", good.error
+
+
+HANGING_REFERENCE = '''import time
+import torch
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        while True:
+            time.sleep(0.1)
+
+
+def get_inputs():
+    return [torch.randn(8)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_a_hanging_reference_is_the_references_failure():
+    """A reference that never returns ends the group's phases at the timeout as `reference_error`
+    (not blamed on the candidate as a timeout), within the timeout plus start-up."""
+    with Evaluator(EvalConfig(device="cpu", trials=1, cpu_perf_trials=1, warmup=1, timeout=4.0), workers=1) as ev:
+        r = ev.evaluate(HANGING_REFERENCE, (SOLUTIONS / "1_ReLU.py").read_text())
+    assert r.verdict == "reference_error" and "timeout" in r.error, (r.verdict, r.error)
+    assert r.details["overhead_s"]["job"] < 4.0 + 3.0, r.details["overhead_s"]

@@ -173,6 +173,25 @@ def test_bad_config_is_a_clear_error(capsys):
         assert msg in _usage_error(capsys, argv), argv
 
 
+def test_unusable_output_paths_and_api_model_alone_stop_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: pytest.fail("the model must not load"))
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    (tmp_path / "g.summary.json").mkdir()
+    (tmp_path / "h_report").write_text("x")
+    ok = ["--output", str(tmp_path / "ok.jsonl")]
+    for argv, msg in ((["--api_model", "m", *ok], "--api_model needs --api_base_url"),
+                      (["--output", str(tmp_path / "g.jsonl")],
+                       f"the summary of --output {tmp_path / 'g.summary.json'}: is a directory, not a file"),
+                      (["--output", str(tmp_path / "h.jsonl")],
+                       f"the report of --output {tmp_path / 'h_report'}: is a file, not a directory"),
+                      (["--eval_cache_dir", str(a_file), *ok],
+                       f"--eval_cache_dir {a_file}: is a file, not a directory"),
+                      (["--output", "/proc/drk_none/g.jsonl"], "--output /proc/drk_none/g.jsonl: ")):
+        assert msg in _usage_error(capsys, ["--problem_ids", "1", "--device", "cpu", *argv]), argv
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "g.summary.json", "h_report"]
+
+
 def test_help_and_start_line_name_the_base_configuration(capsys, tmp_path, fake_eval, monkeypatch):
     with pytest.raises(SystemExit) as exc:
         generate.main(["--help"])
@@ -457,7 +476,7 @@ def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, 
     capsys.readouterr()
     generate.main(args)
     err = capsys.readouterr().err
-    assert "skipped 3 unusable line(s) (a killed run leaves its last line cut): line 2: turn is 'x', not a count; " \
+    assert "skipped 3 unusable line(s) (a killed run leaves its last line cut): line 2: turn is 'x', not an integer; " \
            "line 3: not a JSON object; line 5: not a JSON object (" in err
     assert len(policy.earlier) == 2 and _lines(out) == good  # nothing to regenerate; the bad lines are gone
 
@@ -465,9 +484,40 @@ def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, 
     assert "was written with other settings (temperature 1.0 -> 0.5; max_new_tokens 1024 -> 9" in msg
     foreign = tmp_path / "other.jsonl"
     foreign.write_text('{"a": 1}\n{"b": 2}\n')
-    assert "holds no generate.py row (line 1: lacks task_key" in _usage_error(
+    assert "holds no generate.py row (line 1: lacks level, problem_id, task and " in _usage_error(
         capsys, args[:-1] + [str(foreign)])
     assert foreign.read_text() == '{"a": 1}\n{"b": 2}\n' and len(policy.earlier) == 2
+
+
+def test_resume_regenerates_mistyped_rows_and_names_them(tmp_path, fake_eval, monkeypatch, capsys):
+    policy = CountingPolicy()
+    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: _scripted_policy(policy))
+    out = tmp_path / "g.jsonl"
+    args = ["--problem_ids", "1,2,3,4,5", "--num_turns", "1", "--device", "cpu", "--output", str(out)]
+    generate.main(args)
+    rows = _rows(out)
+    assert len(rows) == len(policy.earlier) == 5 and rows[0]["verdict"] == "correct"
+    flaws = [{"verdict": 5}, {"correct": "yes"}, {"settings": None}, {"hacks": 5}]
+    rows[0] |= flaws[0]
+    rows[1] |= flaws[1]
+    del rows[2]["settings"]
+    rows[3] |= flaws[3]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    summary = generate.main(args)
+    err = capsys.readouterr().err
+    assert "skipped 4 unusable line(s) (a killed run leaves its last line cut): line 1: verdict is 5, not a string; " \
+           "line 2: correct is 'yes', not true or false; line 3: lacks settings; and 1 more" in err
+    assert len(policy.earlier) == 5 + 4  # their units were generated again, the good one reused
+    again = _rows(out)
+    assert [generate.row_problem(r) for r in again] == [None] * 5 and again[0] == rows[4]
+    assert summary["verdict_counts"] == {"correct": 5} and summary["generated_this_run"] == 4
+    for problem, flaw in (("settings: lacks temperature", {"settings": {"seed": 0}}),
+                          ("settings: seed is '0', not an integer", {"settings": {**rows[4]["settings"], "seed": "0"}}),
+                          ("kernels is [1], not a list of objects or null", {"kernels": [1]}),
+                          ("verdict 'great' is not one of correct,", {"verdict": "great"}),
+                          ("speedup is '9', not a number or null", {"speedup": "9"})):
+        assert generate.row_problem({**rows[4], **flaw}).startswith(problem)
 
 
 def test_message_codec_round_trips_conversations():

@@ -42,39 +42,55 @@ def test_evaluator_unharmed_after_the_attacks(evaluator):
     assert r.details["confinement"]["complete"], r.details["confinement"]
 
 
+def _in_a_child(fn, *args) -> str:
+    """repr of what `fn(*args)` returns, run in a forked child (confinement cannot be undone, so this
+    process stays free); the child reports through a pipe."""
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        os.close(rfd)
+        try:
+            got = repr(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - any failure is the answer
+            got = f"raised {exc!r}"
+        os.write(wfd, got.encode())
+        os._exit(0)
+    os.close(wfd)
+    got = os.read(rfd, 1000).decode()
+    os.waitpid(pid, 0)
+    os.close(rfd)
+    return got
+
+
+def _succeeds(action) -> bool:
+    """Whether `action()` runs without an OSError."""
+    try:
+        action()
+        return True
+    except OSError:
+        return False
+
+
+def _confined_file_and_network_access(job, outside, port: int) -> list[bool]:
+    """Confined to `job`: [complete, write inside, write outside, TCP connect]."""
+    report = confine.Confinement()
+    confine.enter_network_namespace(report)
+    confine.restrict(str(job), report)
+    return [report.complete, _succeeds(lambda: (job / "inside.txt").write_text("x")),
+            _succeeds(lambda: outside.write_text("x")),
+            _succeeds(lambda: socket.create_connection(("127.0.0.1", port), timeout=1).close())]
+
+
 def test_confinement_in_a_child(tmp_path):
     """The runner's confinement as a process sees it: writes only beneath its directory, no TCP,
-    no capabilities (checked in a forked child so that this process stays free)."""
+    no capabilities."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     port = listener.getsockname()[1]
     job, outside = tmp_path / "job", tmp_path / "outside.txt"
     job.mkdir()
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through the pipe
-        os.close(rfd)
-        report = confine.Confinement()
-        confine.enter_network_namespace(report)
-        confine.restrict(str(job), report)
-        results = [report.complete]
-        for path in (job / "inside.txt", outside):
-            try:
-                path.write_text("x")
-                results.append(True)
-            except OSError:
-                results.append(False)
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            results.append(True)
-        except OSError:
-            results.append(False)
-        os.write(wfd, repr(results).encode())
-        os._exit(0)
-    os.close(wfd)
-    got = os.read(rfd, 1000).decode()
-    os.waitpid(pid, 0)
+    got = _in_a_child(_confined_file_and_network_access, job, outside, port)
     listener.close()
     assert got == "[True, True, False, False]", got
     assert not outside.exists()
@@ -236,31 +252,23 @@ def test_result_fields_survive_json():
     assert EvalResult.from_dict(r.to_dict()) == r
 
 
+def _confined_scheduling_changes(parent: int) -> list[bool]:
+    """Under the seccomp layer: [installed, then whether each change of `parent`'s limits, priority,
+    affinity and of its own priority and limits succeeds]."""
+    import resource
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
+    report = confine.Confinement()
+    confine._own_process_only(report)
+    return [report.own_process_only,
+            _succeeds(lambda: resource.prlimit(parent, resource.RLIMIT_NOFILE, nofile)),
+            _succeeds(lambda: os.setpriority(os.PRIO_PROCESS, parent, 0)),
+            _succeeds(lambda: os.sched_setaffinity(parent, os.sched_getaffinity(parent))),
+            _succeeds(lambda: os.setpriority(os.PRIO_PROCESS, 0, 1)),
+            _succeeds(lambda: resource.prlimit(0, resource.RLIMIT_NOFILE, nofile))]
+
+
 def test_a_confined_process_cannot_change_another_process():
     """The seccomp layer: resource limits, priority and scheduling of another process (the judge,
     the reference's timing process, the other runners) cannot be changed; its own still can."""
-    import resource
-    parent = os.getpid()
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through the pipe
-        os.close(rfd)
-        report = confine.Confinement()
-        confine._own_process_only(report)
-        results = [report.own_process_only]
-        for change in (lambda: resource.prlimit(parent, resource.RLIMIT_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE)),
-                       lambda: os.setpriority(os.PRIO_PROCESS, parent, 0),
-                       lambda: os.sched_setaffinity(parent, os.sched_getaffinity(parent)),
-                       lambda: os.setpriority(os.PRIO_PROCESS, 0, 1),
-                       lambda: resource.prlimit(0, resource.RLIMIT_NOFILE, resource.getrlimit(resource.RLIMIT_NOFILE))):
-            try:
-                change()
-                results.append(True)
-            except OSError:
-                results.append(False)
-        os.write(wfd, repr(results).encode())
-        os._exit(0)
-    os.close(wfd)
-    got = os.read(rfd, 1000).decode()
-    os.waitpid(pid, 0)
+    got = _in_a_child(_confined_scheduling_changes, os.getpid())
     assert got == "[True, False, False, False, True, True]", got

@@ -3,6 +3,7 @@ resume, the SFT -> RL hand-off, and generations -> SFT data."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -357,6 +358,64 @@ def test_packing_run_and_bad_input(tmp_path, tiny_model_dir, small_dataset, caps
     assert "messages" in capsys.readouterr().err
     assert run_sft(tmp_path / "bad", tiny_model_dir, small_dataset, "--stage", "rl") == 2
     assert run_sft(tmp_path / "bad", tiny_model_dir, small_dataset, "--overlong", "wrap") == 2
+
+
+def test_a_dataset_with_cut_or_bad_lines_skips_and_names_them(tmp_path, small_dataset, capsys):
+    data = tmp_path / "data.jsonl"
+    good = small_dataset.read_text().splitlines()
+    data.write_text("\n".join([good[0], "not json", json.dumps({"text": "no messages"}), good[1], good[2][:50]]))
+    rows = sft.read_conversations(sft.SFTConfig(dataset=str(data), output_dir=str(tmp_path / "out")))
+    assert [r["messages"] for r in rows] == [json.loads(line)["messages"] for line in good[:2]]
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[sft]")]  # not datasets' bars
+    assert len(said) == 1 and said[0].startswith(f"[sft] warning: --dataset {data}: skipped 3 unusable line(s): ")
+    assert "line 2: not a JSON object" in said[0] and "line 3: no `messages`" in said[0] and "line 5: " in said[0]
+
+
+@pytest.mark.parametrize("content,says", [
+    (b"", "the file is empty"), (b"\n\n", "no usable rows (only blank lines)"),
+    (b"\xff\xfe garbage\n{\"messages\": [", "no usable rows (line 1: not UTF-8"),
+    (b'{"text": 1}\n{"messages": []}\n', "no usable rows (line 1: no `messages`")])
+def test_an_empty_or_all_bad_dataset_exits_2_before_anything_loads(tmp_path, monkeypatch, capsys, content, says):
+    from drkernel import modeling
+
+    monkeypatch.setattr(modeling, "load_tokenizer", lambda *a: pytest.fail("loaded a tokenizer for a bad dataset"))
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(content)
+    assert run_sft(tmp_path / "out", tmp_path / "no_model", data) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"drkernel.sft: error: --dataset {data}: {says}") and "Traceback" not in "".join(err)
+
+
+def damaged_copy(checkpoint: Path, out: Path, name: str, data: bytes, listed: bool = False) -> Path:
+    """A copy of `checkpoint` in `out` with state file `name` replaced by `data` (`listed`: its new size
+    recorded in trainer_state.json, so only restoring it can tell)."""
+    import shutil
+
+    copy = out / checkpoint.name
+    shutil.copytree(checkpoint, copy)
+    (copy / name).write_bytes(data)
+    if listed:
+        state = json.loads((copy / "trainer_state.json").read_text())
+        state["files"][name] = len(data)
+        (copy / "trainer_state.json").write_text(json.dumps(state))
+    return copy
+
+
+def test_resuming_a_damaged_checkpoint_exits_2_naming_it(full_run, tmp_path, tiny_model_dir, small_dataset, capsys):
+    checkpoint = full_run / "checkpoint-3"
+    listed = json.loads((checkpoint / "trainer_state.json").read_text())["files"]
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"} <= set(listed)
+    cut = damaged_copy(checkpoint, tmp_path / "cut", "optimizer.bin", (checkpoint / "optimizer.bin").read_bytes()[:99])
+    assert run_sft(tmp_path / "cut", tiny_model_dir, small_dataset, "--resume_from", "auto") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"drkernel.sft: error: --resume_from auto: {cut / 'optimizer.bin'}: 99 bytes, saved with")
+    # a well-formed file that is not this run's optimizer state: restoring it fails, said in one line
+    buffer = io.BytesIO()
+    torch.save({"not": "an optimizer"}, buffer)
+    other = damaged_copy(checkpoint, tmp_path / "other", "optimizer.bin", buffer.getvalue(), listed=True)
+    assert run_sft(tmp_path / "other", tiny_model_dir, small_dataset, "--resume_from", str(other)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"drkernel.sft: error: cannot restore {other}: KeyError")
 
 
 # ----------------------------------------------------------------------------- generations -> SFT

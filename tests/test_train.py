@@ -5,6 +5,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -113,6 +114,7 @@ def test_two_steps_with_real_evaluator_then_exact_resume(tiny_model_dir, tmp_pat
     state = json.loads((run_a / "checkpoint-1" / "trainer_state.json").read_text())
     assert state["step"] == 1 and state["sampler"]["index"] == 0 and state["sampler"]["epoch"] == 1
     assert state["config"] == json.loads(json.dumps(dataclasses.asdict(trainer.cfg)))  # what resuming checks
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl"} <= set(state["files"])  # and the files
     assert (run_a / "final" / "model.safetensors").is_file()
 
     # resume from step 1 into a fresh directory: step 2 must come out the same
@@ -129,6 +131,12 @@ def test_two_steps_with_real_evaluator_then_exact_resume(tiny_model_dir, tmp_pat
     assert again[0]["update_tokens"] == rows[1]["update_tokens"]  # the same samples
     for key in ("loss", "loss_first_iteration", "grad_norm", "reward_mean", "approx_kl", "clip_frac"):
         assert math.isclose(again[0][key], rows[1][key], rel_tol=1e-9, abs_tol=1e-12), key
+    # a checkpoint without the task position (an SFT one, say) is refused in one line, not a KeyError
+    shutil.copytree(run_a / "checkpoint-1", tmp_path / "c" / "checkpoint-1")
+    state.pop("sampler")
+    (tmp_path / "c" / "checkpoint-1" / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match="no task-sampler position"):
+        Trainer(_e2e_cfg(tiny_model_dir, tmp_path / "c", resume_from="auto"))
     a, b = _safetensors(run_a / "checkpoint-2" / "model"), _safetensors(run_b / "checkpoint-2" / "model")
     start = _safetensors(run_a / "checkpoint-1" / "model")
     assert a.keys() == b.keys()
@@ -383,7 +391,9 @@ def test_task_sampler_resumes_exactly_and_seeds_are_per_step():
                                       (["--num_generations", "1"], "num_generations"),
                                       (["--loss_type", "sum"], "loss_type"),
                                       (["--gradient_accumulation_steps", "4"], "micro-batches"),
-                                      (["--geo_low", "2", "--geo_high", "1"], "geo_low")])
+                                      (["--geo_low", "2", "--geo_high", "1"], "geo_low"),
+                                      (["--mask_verdicts", "timeout,timed_out"], "mask_verdicts"),
+                                      (["--lr_scheduler", "reduce_lr_on_plateau"], "lr_scheduler")])
 def test_bad_options_are_clear_errors(argv, msg, capsys):
     with pytest.raises(ConfigError, match=msg):
         parse_config(TrainConfig, argv)

@@ -181,3 +181,71 @@ def test_a_broken_config_file_exits_2_with_a_one_line_message(train, built, caps
     status, err = run(train, stage + ["--config", str(path)], capsys)
     assert status == 2 and built == [] and len(err) == 1
     assert err[0].startswith(f"train.py: error: --config {path}: ") and says in err[0]
+
+
+@pytest.mark.parametrize("stage", [[], ["--stage", "sft"]])
+@pytest.mark.parametrize("argv,says", [
+    (["--lr_scheduler", "foo"], "lr_scheduler must be one of linear, cosine"),
+    (["--mixed_precision", "foo"], "mixed_precision must be one of no, fp8, fp16, bf16"),
+    (["--log_with", "foo"], "log_with must be a comma list of none, all, "),
+    (["--output_dir", ""], "--output_dir is empty"),
+    (["--output_dir", "train.py"], "--output_dir train.py: is a file"),
+    (["--output_dir", "train.py/run"], "--output_dir train.py/run: lies below a file")])
+def test_a_bad_library_name_or_output_dir_exits_2_before_the_stage_starts(train, built, capsys, monkeypatch, stage,
+                                                                         argv, says):
+    monkeypatch.chdir(ROOT)
+    status, err = run(train, stage + argv, capsys)
+    assert status == 2 and built == [] and len(err) == 1
+    assert err[0].startswith(f"train.py: error: {says}")
+
+
+def test_mask_verdicts_must_name_verdicts(train, built, capsys):
+    status, err = run(train, ["--mask_verdicts", "timeout,foo"], capsys)
+    assert status == 2 and built == [] and len(err) == 1
+    assert err[0].startswith("train.py: error: mask_verdicts must be a comma list of correct, ") and "'foo'" in err[0]
+
+
+def state_files(path: Path, files: dict[str, bytes], listed: bool = True) -> None:
+    """Give checkpoint `path` these state files, listed in its trainer_state.json as saving lists them
+    (`listed` false: listed nowhere, as in a checkpoint made before saving listed them)."""
+    for name, data in files.items():
+        (path / name).write_bytes(data)
+    state = json.loads((path / "trainer_state.json").read_text())
+    state["files"] = {name: len(data) for name, data in files.items()}
+    if not listed:
+        del state["files"]
+    (path / "trainer_state.json").write_text(json.dumps(state))
+
+
+ARCHIVE = b"PK\x05\x06" + b"\x00" * 18  # an empty zip archive: what a torch.save file looks like to the check
+
+
+@pytest.mark.parametrize("stage", [[], ["--stage", "sft"]])
+@pytest.mark.parametrize("spoil,says", [
+    (lambda p: (p / "optimizer.bin").write_bytes(ARCHIVE[:10]), "optimizer.bin: 10 bytes, saved with 22"),
+    (lambda p: (p / "random_states_0.pkl").unlink(), "random_states_0.pkl: missing"),
+    (lambda p: state_files(p, {"optimizer.bin": b"garbage"}, listed=False), "optimizer.bin: not a torch.save archive"),
+    (lambda p: state_files(p, {"model.safetensors": b"\x10" + b"\x00" * 7 + b"{}"}, listed=False),
+     "model.safetensors: not a readable safetensors file"),
+    (lambda p: (p / "trainer_state.json").write_text('{"step": "two"}'), "trainer_state.json: not a trainer state"),
+    (lambda p: (p / "trainer_state.json").write_text('{"step": 2, "con'), "trainer_state.json: cannot read it")])
+def test_resuming_a_damaged_checkpoint_names_the_file_and_exits_2(train, built, capsys, tmp_path, stage, spoil, says):
+    out = tmp_path / "run"
+    made = parse_config(SFTConfig if stage else TrainConfig,
+                        ["--config", str(train.STAGES[stage[-1] if stage else "rl"].preset), "--output_dir", str(out)])
+    path = make_checkpoint(out, made)
+    state_files(path, {"optimizer.bin": ARCHIVE, "random_states_0.pkl": ARCHIVE})
+    spoil(path)
+    for resume_from in ("auto", str(path)):
+        status, err = run(train, stage + ["--output_dir", str(out), "--resume_from", resume_from], capsys)
+        assert status == 2 and built == [] and len(err) == 2  # the start line, then the refusal: no fresh start
+        assert err[1].startswith("train.py: error: ") and says in err[1]
+
+
+def test_auto_resume_says_which_cut_save_it_passes_over(train, built, capsys, tmp_path):
+    out = tmp_path / "run"
+    (out / "checkpoint-3").mkdir(parents=True)  # a save killed before its trainer_state.json
+    status, err = run(train, ["--output_dir", str(out), "--resume_from", "auto"], capsys)
+    assert status == 0 and len(built) == 1
+    assert err[-1] == f"train.py: warning: {out / 'checkpoint-3'} has no trainer_state.json (its save was cut off): " \
+                      f"starting afresh"
