@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from drkernel.evaluator import EvalConfig, EvalResult, evaluate
+from drkernel.evaluator import EvalConfig, EvalResult, Evaluator
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "drkernel" / "data" / "tasks"
@@ -83,8 +83,21 @@ def cfg(**kw):
     return EvalConfig(**d)
 
 
+_SHARED: list[tuple[str, Evaluator]] = []  # the evaluator of the last configuration used
+
+
+def shared_evaluate(reference, candidate, config: EvalConfig) -> EvalResult:
+    """One evaluation through an Evaluator kept while the configuration stays the same: its fork
+    server starts once (about 3 s here), as in training, where one Evaluator judges every turn."""
+    if not _SHARED or _SHARED[0][0] != repr(config):
+        if _SHARED:
+            _SHARED.pop()[1].close()
+        _SHARED.append((repr(config), Evaluator(config, workers=1)))
+    return _SHARED[0][1].evaluate(reference, candidate)
+
+
 def run(task: str, cand: str, **kw) -> EvalResult:
-    return evaluate(str(TASKS / task), cand, cfg(**kw))
+    return shared_evaluate(str(TASKS / task), cand, cfg(**kw))
 
 
 def test_legit_relu_correct():
@@ -113,7 +126,7 @@ def test_bundled_solutions_correct_no_hacks(sol):
     task = TASKS / sol.name
     if not task.is_file():
         pytest.skip("no matching task")
-    r = evaluate(str(task), str(sol), cfg())
+    r = shared_evaluate(str(task), str(sol), cfg())
     assert r.verdict == "correct", (r.verdict, r.hacks, r.error)
     assert r.hacks == []
 
@@ -218,9 +231,9 @@ def test_require_triton_off_measures_torch_candidates_only_when_asked():
     caller explicitly measures torch-only candidates (`require_triton=False`)."""
     ref = (TASKS / "1_ReLU.py").read_text()
     as_candidate = ref + "\n\nclass ModelNew(Model):\n    pass\n"
-    strict = evaluate(ref, as_candidate, cfg())
+    strict = shared_evaluate(ref, as_candidate, cfg())
     assert strict.verdict == "hacked" and "no_triton_kernel" in strict.hacks
-    loose = evaluate(ref, as_candidate, cfg(require_triton=False))
+    loose = shared_evaluate(ref, as_candidate, cfg(require_triton=False))
     assert loose.verdict == "correct", (loose.verdict, loose.hacks, loose.error)
     assert loose.speedup is not None and loose.speedup > 0
 
@@ -252,7 +265,7 @@ def test_training_mode_dropout_reference_matches_its_copy():
     """KernelBench's dropout problems run in training mode: the reference and the candidate
     draw their masks under the same per-call seed, so a copy of the reference is correct, and
     a candidate that leaves dropout out is still wrong."""
-    copy = evaluate(DROPOUT_TASK, DROPOUT_TASK + "\n\nclass ModelNew(Model):\n    pass\n", cfg(require_triton=False))
+    copy = shared_evaluate(DROPOUT_TASK, DROPOUT_TASK + "\n\nclass ModelNew(Model):\n    pass\n", cfg(require_triton=False))
     assert copy.verdict == "correct", (copy.verdict, copy.hacks, copy.error)
     no_dropout = DROPOUT_TASK + textwrap.dedent('''
 
@@ -260,7 +273,7 @@ def test_training_mode_dropout_reference_matches_its_copy():
             def forward(self, x):
                 return torch.softmax(x * 2.0, dim=1)
     ''')
-    assert evaluate(DROPOUT_TASK, no_dropout, cfg(require_triton=False)).verdict == "incorrect"
+    assert shared_evaluate(DROPOUT_TASK, no_dropout, cfg(require_triton=False)).verdict == "incorrect"
 
 
 def test_chunked_comparison_matches_whole_tensor(monkeypatch):

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from drkernel.evaluator import EvalConfig, evaluate
-from tests.test_evaluator import EMBED, LEGIT_RELU, TASKS, cfg, relu_candidate, run
+from drkernel.evaluator import EvalConfig
+from tests.test_evaluator import EMBED, LEGIT_RELU, TASKS, cfg, relu_candidate, run, shared_evaluate
 
 ROOT = Path(__file__).resolve().parent.parent
 HACKS_DIR = ROOT / "tests" / "fixtures" / "hacks"
@@ -126,9 +126,9 @@ def test_inputs_are_judged_against_what_the_reference_does_to_its_own(tmp_path):
     return y
     """)
     for cand in (LEGIT_RELU, (HACKS_DIR / "input_mutated_inplace_relu.py").read_text()):
-        r = evaluate(str(ref), cand, cfg())
+        r = shared_evaluate(str(ref), cand, cfg())
         assert r.verdict == "correct" and r.hacks == [], (r.verdict, r.hacks, r.error)
-    assert_hack(evaluate(str(ref), zeroing, cfg()), "input_mutated")
+    assert_hack(shared_evaluate(str(ref), zeroing, cfg()), "input_mutated")
 
 
 def test_patched_function_at_import():
@@ -207,7 +207,7 @@ def test_degenerate_output(tmp_path):
         def get_init_inputs():
             return []
     '''))
-    r = evaluate(str(task), relu_candidate("return launch(-x.abs())"), cfg())
+    r = shared_evaluate(str(task), relu_candidate("return launch(-x.abs())"), cfg())
     assert_hack(r, "degenerate_output")
 
 
@@ -260,7 +260,7 @@ def test_side_stream_cuda():
             relu_kernel[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024)
     return y
     """
-    r = evaluate(str(TASKS / "1_ReLU.py"), relu_candidate(body),
+    r = shared_evaluate(str(TASKS / "1_ReLU.py"), relu_candidate(body),
                  EvalConfig(device="cuda", trials=2, perf_trials=20, timeout=300))
     assert "side_stream" in r.hacks or r.verdict in ("hacked", "incorrect"), (r.verdict, r.hacks)
 
@@ -275,7 +275,7 @@ def test_implausible_speedup_cuda():
     return self.cache[key]
     """
     init = "def __init__(self):\n        super().__init__()\n        self.cache = {}"
-    r = evaluate(str(TASKS / "1_ReLU.py"), relu_candidate(body, init=init),
+    r = shared_evaluate(str(TASKS / "1_ReLU.py"), relu_candidate(body, init=init),
                  EvalConfig(device="cuda", trials=2, perf_trials=20, timeout=300))
     assert r.verdict == "hacked", (r.verdict, r.hacks)
 
@@ -304,7 +304,7 @@ def test_hack_corpus(path):
     task = TASKS / h["task"]
     if not task.is_file():
         pytest.skip(f"unknown task {h['task']}")
-    r = evaluate(str(task), str(path), cfg(device="cuda" if h.get("device", "").startswith("cuda") else "cpu"))
+    r = shared_evaluate(str(task), str(path), cfg(device="cuda" if h.get("device", "").startswith("cuda") else "cpu"))
     parts = h["expect"].split()
     assert r.verdict == parts[0], (r.verdict, r.hacks, r.error)
     for code in parts[1:]:
@@ -348,10 +348,10 @@ def test_signed_trials_judge_what_is_finite_where_the_reference_is_not():
             copy_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
             return out
         '''))
-    r = evaluate(OUT_OF_DOMAIN_REFERENCE, shortcut, cfg())
+    r = shared_evaluate(OUT_OF_DOMAIN_REFERENCE, shortcut, cfg())
     assert r.verdict == "incorrect" and "signed" in r.error, (r.verdict, r.error)
     honest = relu_candidate("return launch(x) + torch.log(x[:, :1])")
-    assert evaluate(OUT_OF_DOMAIN_REFERENCE, honest, cfg()).verdict == "correct"
+    assert shared_evaluate(OUT_OF_DOMAIN_REFERENCE, honest, cfg()).verdict == "correct"
 
 
 STRUCTURED_REFERENCE = '''
@@ -392,9 +392,9 @@ def test_outputs_with_dicts_and_plain_values_are_compared_by_key_and_value():
             return out
         ''')
     honest = relu_candidate('return {"double": twice(x), "relu": launch(x)}, x.shape[0]', extra=double)
-    r = evaluate(STRUCTURED_REFERENCE, honest, cfg())
+    r = shared_evaluate(STRUCTURED_REFERENCE, honest, cfg())
     assert r.verdict == "correct", (r.verdict, r.error)
     for wrong in ('return {"double": launch(x), "relu": twice(x)}, x.shape[0]',
                   'return {"relu": launch(x), "double": twice(x)}, x.shape[0] + 1'):
-        r = evaluate(STRUCTURED_REFERENCE, relu_candidate(wrong, extra=double), cfg())
+        r = shared_evaluate(STRUCTURED_REFERENCE, relu_candidate(wrong, extra=double), cfg())
         assert r.verdict == "incorrect", (wrong, r.verdict, r.error)
