@@ -333,7 +333,7 @@ def checkpoint_problem(path: Path, state: dict[str, Any]) -> str | None:
     The files are those its trainer_state.json lists (older checkpoints list none: those present)."""
     listed = state.get(STATE_FILES)
     if not isinstance(listed, dict):
-        listed = dict.fromkeys(p.name for p in path.iterdir() if p.is_file() and p.name != TRAINER_STATE)
+        listed = dict.fromkeys(_state_files(path))
     for name, size in sorted(listed.items()):
         if (why := _file_problem(path / name, size)) is not None:
             return f"{shown_path(path / name)}: {why}"
