@@ -455,7 +455,7 @@ class TaskSelection:
 
     tasks: str = dataclasses.field(default="bundled", metadata={
         "help": "bundled | a KernelBench path or hub id (e.g. ../shared/kernelbench) | a .py or dir of .py"})
-    levels: str = dataclasses.field(default="1", metadata={"help": "comma list of KernelBench levels"})
+    levels: str = dataclasses.field(default="1", metadata={"help": "comma list of KernelBench levels (a KernelBench dataset's splits)"})
     problem_ids: str = dataclasses.field(default="", metadata={"help": "comma list; empty = all"})
 
     def level_list(self) -> list[int]:
@@ -464,17 +464,14 @@ class TaskSelection:
     def problem_id_list(self) -> list[int]:
         return int_list(self.problem_ids, "problem_ids")
 
-    def load_tasks(self) -> list:
-        """The selected tasks (`drkernel.tasks.load_tasks`; TaskError/OSError when unreadable)."""
-        from drkernel.tasks import load_tasks
-
-        return load_tasks(self.tasks, self.level_list(), self.problem_id_list() or None)
-
     def selected_tasks(self) -> list:
         """The selected tasks; ConfigError when the selection cannot be read or is empty."""
-        from drkernel.tasks import TaskError
+        from drkernel.tasks import TaskError, is_dataset, load_tasks
+        if self.levels.strip() not in ("", "1") and not is_dataset(self.tasks):
+            raise ConfigError(f"--levels {self.levels}: levels select splits of a KernelBench dataset; "
+                              f"tasks={self.tasks!r} has none (drop --levels)")
         try:
-            tasks = self.load_tasks()
+            tasks = load_tasks(self.tasks, self.level_list(), self.problem_id_list() or None)
         except (TaskError, OSError, ConfigError) as exc:
             raise ConfigError(f"cannot load tasks {self.tasks!r}: {exc}") from None
         if not tasks:

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from drkernel import metrics
+from drkernel.config import TaskSelection
 from drkernel.jsonl import finite, first_reasons, iter_jsonl
 
 IGNORE_INDEX = -100
@@ -349,16 +350,19 @@ def collate(examples: Sequence[dict], pad_token_id: int, device=None) -> dict:
 # ----------------------------------------------------------------------------- from generations
 
 @dataclasses.dataclass
-class ConvertConfig:
-    """`python -m drkernel.sft_data`: generate.py's JSONL -> SFT `messages` rows."""
+class ConvertConfig(TaskSelection):
+    """`python -m drkernel.sft_data`: generate.py's JSONL -> SFT `messages` rows; `tasks`/`levels`
+    name where the rows' problems come from (as generate.py's)."""
 
-    generations: str = ""  # generate.py's JSONL: one row per (level, problem_id, sample, turn)
-    out: str = "sft.jsonl"
-    min_reward: float | None = None  # a turn qualifies if correct, not hacked, and reward >= this
-    min_speedup: float | None = None  # ... and speedup >= this
-    tasks: str = "bundled"  # where the rows' problems come from (as generate.py's --tasks)
-    levels: str = "1"  # KernelBench levels to load when `tasks` is KernelBench
-    train_failed_turns: bool = False  # also train on earlier, non-qualifying answers (default: context only)
+    generations: str = dataclasses.field(default="", metadata={
+        "help": "generate.py's JSONL: one row per (level, problem_id, sample, turn)"})
+    out: str = dataclasses.field(default="sft.jsonl", metadata={"help": "the SFT rows written (JSONL)"})
+    min_reward: float | None = dataclasses.field(default=None, metadata={
+        "help": "a turn qualifies if correct, not hacked, and its reward is at least this"})
+    min_speedup: float | None = dataclasses.field(default=None, metadata={
+        "help": "... and its speedup is at least this"})
+    train_failed_turns: bool = dataclasses.field(default=False, metadata={
+        "help": "also train on earlier, non-qualifying answers (default: context only)"})
 
 
 def kernel_hash(code: str) -> str:
@@ -528,8 +532,6 @@ def _generation_rows(path: Path) -> tuple[list[dict], list[str]]:
 
 def convert_file(cfg: ConvertConfig) -> ConvertStats:
     """Read `cfg.generations`, write `cfg.out`; return the stats."""
-    from drkernel.tasks import load_tasks
-
     if not cfg.generations:
         raise SFTDataError("--generations is required (generate.py's JSONL)")
     path = Path(cfg.generations)
@@ -542,8 +544,7 @@ def convert_file(cfg: ConvertConfig) -> ConvertStats:
         if value is not None and not math.isfinite(value):
             raise SFTDataError(f"--{name} must be a finite number, got {value!r}")
     rows, unreadable = _generation_rows(path)
-    levels = [int(x) for x in str(cfg.levels).split(",") if x.strip()]
-    tasks = load_tasks(cfg.tasks, levels=levels)
+    tasks = cfg.selected_tasks()
     out_rows, stats = generations_to_sft(rows, tasks, cfg.min_reward, cfg.min_speedup, cfg.train_failed_turns)
     stats.skipped = unreadable + stats.skipped  # file lines first, then rows without integer counts
     Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)

@@ -167,6 +167,16 @@ def _integer(value, what: str) -> int:
     return int(value)
 
 
+def is_dataset(spec: str) -> bool:
+    """Whether a task-set spec names a KernelBench dataset (split into levels), not our bundled
+    problems, one .py file or a folder of them."""
+    path = Path(spec)
+    if spec == "bundled" or path.suffix == ".py":
+        return False
+    return not (path.is_dir() and any(path.glob("*.py")) and not any(path.glob("**/*.jsonl"))
+                and not any(path.glob("**/*.parquet")))
+
+
 def load_tasks(spec: str = "bundled", levels: Sequence[int] = (1,),
                problem_ids: Sequence[int] | None = None) -> list[Task]:
     """Resolve a task-set spec used by every script.
@@ -180,8 +190,7 @@ def load_tasks(spec: str = "bundled", levels: Sequence[int] = (1,),
     path = Path(spec)
     if path.suffix == ".py":
         return [load_task_file(path)]
-    if path.is_dir() and any(path.glob("*.py")) and not any(path.glob("**/*.jsonl")) \
-            and not any(path.glob("**/*.parquet")):
+    if not is_dataset(spec):
         tasks = [load_task_file(p) for p in sorted(path.glob("*.py"))]
         if problem_ids:
             tasks = [t for t in tasks if t.problem_id in set(problem_ids)]

@@ -269,11 +269,7 @@ class Trainer:
                               f"processes ({self.world}): each process rolls out whole groups")
         if tasks is not None:
             return list(tasks)
-        loaded = self.cfg.load_tasks()
-        if not loaded:
-            raise ConfigError(f"no tasks found for --tasks {self.cfg.tasks} --levels {self.cfg.levels} "
-                              f"--problem_ids {self.cfg.problem_ids or 'all'}")
-        return loaded
+        return self.cfg.selected_tasks()
 
     def _prepare_update(self, model) -> None:
         """The optimizer and the learning-rate schedule, and the model and optimizer prepared by Accelerate."""

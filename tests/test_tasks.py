@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from drkernel.tasks import TaskError, _read_local_split, load_kernelbench
+from drkernel.tasks import BUNDLED_DIR, TaskError, _read_local_split, load_kernelbench
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,3 +44,14 @@ def test_rows_with_a_non_integer_level_or_a_repeated_problem_are_refused():
                         ([good, {**good, "name": "other.py"}], "appears twice")):
         with pytest.raises(TaskError, match=words):
             rows_to_tasks(rows, "t")
+
+
+@pytest.mark.parametrize("tasks", ["bundled", str(BUNDLED_DIR), str(BUNDLED_DIR / "1_ReLU.py")])
+def test_levels_without_a_dataset_are_refused_not_ignored(tasks):
+    """--levels selects a KernelBench dataset's splits; given with tasks that have none it is an
+    error naming the option, not silently dropped."""
+    from drkernel.config import ConfigError, TaskSelection
+
+    assert TaskSelection(tasks=tasks).selected_tasks()
+    with pytest.raises(ConfigError, match="--levels 2"):
+        TaskSelection(tasks=tasks, levels="2").selected_tasks()
