@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, Resolved, TaskSelection, compose,
-                             limit_problems, output_problem, script_config)
+                             create_output, limit_problems, output_problem, script_config)
 from drkernel.evalcache import cacheable, fingerprint, result_problem, verdict_settings, with_environment
 from drkernel.evaltypes import VERDICTS
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
@@ -170,14 +170,6 @@ def output_problems(cfg: EvaluateConfig) -> list[str]:
     if cfg.cache_dir:
         found.append(output_problem("--cache_dir", cfg.cache_dir, is_dir=True, writable=False))
     return [p for p in found if p]
-
-
-def make_output_dir(path: Path) -> None:
-    """Create --output_dir; a path the system refuses (a read-only file system, /proc) is a usage error."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        fail(f"--output_dir {path}: cannot create it ({exc.strerror or exc})")
 
 
 def start_line(run: Resolved[EvaluateConfig]) -> str:
@@ -649,7 +641,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     tasks = load_selected_tasks(cfg)
     inputs = collect_inputs(cfg, tasks)
     out_dir = Path(cfg.output_dir)
-    make_output_dir(out_dir)
+    if problem := create_output("--output_dir", cfg.output_dir, is_dir=True):
+        fail(problem)
     settings = Settings.of(cfg, device)
     plan = Plan.of(inputs.to_evaluate(), stored_results(out_dir / RESULTS_FILE, cfg.resume), settings)
     plan.announce()

@@ -61,8 +61,8 @@ from tqdm import tqdm
 from drkernel import stts
 from drkernel.api_policy import ApiConfig, ApiError, ChatGenerator, Failure
 from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, ModelSelection, Resolved,
-                             TaskSelection, changed_settings, compose, limit_problems, output_problem,
-                             script_config)
+                             TaskSelection, changed_settings, compose, create_output, limit_problems,
+                             output_problem, script_config)
 from drkernel.evalcache import result_problem
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.evaltypes import VERDICTS
@@ -198,16 +198,6 @@ def output_problems(cfg: GenerateConfig) -> list[str]:
     if cfg.eval_cache_dir:
         found.append(output_problem("--eval_cache_dir", cfg.eval_cache_dir, is_dir=True, writable=False))
     return [p for p in found if p]
-
-
-def create_output(path: str) -> None:
-    """Create --output (empty) and its folder now: a path the system refuses (a read-only file
-    system, /proc) is then one line before the model loads, not a traceback after it."""
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).touch()
-    except OSError as exc:
-        fail(f"--output {path}: cannot create it ({exc.strerror or exc})")
 
 
 def start_line(run: Resolved[GenerateConfig]) -> str:
@@ -647,7 +637,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # rows record the device that evaluated them, not "auto"
     cfg = dataclasses.replace(cfg, device=_resolve_device(cfg.device))
     tasks = _load_tasks(cfg)
-    create_output(cfg.output)
+    if problem := create_output("--output", cfg.output):
+        fail(problem)
     t0 = time.time()
     policy = load_policy(cfg, cfg.device)
     evaluator = make_evaluator(cfg, cfg.device)

@@ -185,6 +185,19 @@ def output_problem(option: str, path: str, is_dir: bool = False, writable: bool 
     return None
 
 
+def create_output(option: str, path: str, is_dir: bool = False) -> str | None:
+    """Create an output now (a file left as it is, or empty), so that a path the system refuses
+    (a read-only file system, /proc) is one line before a model loads; why not, or None."""
+    folder = Path(path) if is_dir else Path(path).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not is_dir:
+            Path(path).touch()
+    except OSError as exc:
+        return f"{option} {path}: cannot create it ({exc.strerror or exc})"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Base:
     """What a run's settings start from before its command-line options."""
@@ -467,7 +480,7 @@ class TaskSelection:
     def selected_tasks(self) -> list:
         """The selected tasks; ConfigError when the selection cannot be read or is empty."""
         from drkernel.tasks import TaskError, is_dataset, load_tasks
-        if self.levels.strip() not in ("", "1") and not is_dataset(self.tasks):
+        if self.level_list() != [1] and not is_dataset(self.tasks):
             raise ConfigError(f"--levels {self.levels}: levels select splits of a KernelBench dataset; "
                               f"tasks={self.tasks!r} has none (drop --levels)")
         try:

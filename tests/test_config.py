@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drkernel.config import coerce, compose, disagreements, limit_problems, limits, parse_config, shared_settings
+from drkernel.config import coerce, compose, create_output, disagreements, limit_problems, limits, parse_config, shared_settings
 from drkernel.evaluator import EvalConfig
 from drkernel.rollout import RolloutConfig
 from drkernel.sft import SFTConfig
@@ -199,3 +199,16 @@ def test_the_recipe_gives_the_documented_table():
     hints = typing.get_type_hints(TrainConfig)
     for field, value in table.items():
         assert getattr(cfg, field) == coerce(value, hints[field], field), field
+
+
+def test_create_output_makes_the_path_now_and_names_a_refused_one(tmp_path):
+    """Outputs are created before a model loads: a file (its folders too) left as it is, a
+    directory; a path the system refuses is one line naming the option."""
+    kept = tmp_path / "a" / "rows.jsonl"
+    assert create_output("--output", str(kept)) is None and kept.read_text() == ""
+    kept.write_text("row\n")
+    assert create_output("--output", str(kept)) is None and kept.read_text() == "row\n"
+    assert create_output("--output_dir", str(tmp_path / "b" / "c"), is_dir=True) is None
+    assert (tmp_path / "b" / "c").is_dir()
+    problem = create_output("--output_dir", "/proc/drk_none/eval", is_dir=True)
+    assert problem and problem.startswith("--output_dir /proc/drk_none/eval: cannot create it")

@@ -192,15 +192,14 @@ def test_unusable_output_paths_and_api_model_alone_stop_before_the_model_loads(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "g.summary.json", "h_report"]
 
 
-def test_help_and_start_line_name_the_base_configuration(capsys, tmp_path, fake_eval, monkeypatch):
+@pytest.mark.usefixtures("counting_policy")
+def test_help_and_start_line_name_the_base_configuration(capsys, tmp_path, fake_eval):
     with pytest.raises(SystemExit) as exc:
         generate.main(["--help"])
     out = capsys.readouterr().out
     assert exc.value.code == 0 and "With no options, generate.py runs its base configuration" in out
     assert "--api_max_attempts (default: 5)" in out and "--api_timeout (default: 180.0)" in out
 
-    policy = CountingPolicy()
-    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: _scripted_policy(policy))
     generate.main(["--problem_ids", "1", "--device", "cpu", "--num_turns", "1", "--output", str(tmp_path / "g.jsonl")])
     first = capsys.readouterr().err.splitlines()[0]
     assert first.startswith("generate.py: settings: the library defaults") and first.endswith("; policy: model smollm2")
@@ -464,9 +463,8 @@ def test_api_client_error_fails_fast(tmp_path, server, fake_eval, capsys, code, 
     assert len(server.requests) == 1 and _rows(out) == []
 
 
-def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, monkeypatch, capsys):
-    policy = CountingPolicy()
-    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: _scripted_policy(policy))
+def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, counting_policy, capsys):
+    policy = counting_policy
     out = tmp_path / "g.jsonl"
     args = ["--problem_ids", "1", "--num_turns", "2", "--device", "cpu", "--output", str(out)]
     generate.main(args)
@@ -489,9 +487,8 @@ def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, 
     assert foreign.read_text() == '{"a": 1}\n{"b": 2}\n' and len(policy.earlier) == 2
 
 
-def test_resume_regenerates_mistyped_rows_and_names_them(tmp_path, fake_eval, monkeypatch, capsys):
-    policy = CountingPolicy()
-    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: _scripted_policy(policy))
+def test_resume_regenerates_mistyped_rows_and_names_them(tmp_path, fake_eval, counting_policy, capsys):
+    policy = counting_policy
     out = tmp_path / "g.jsonl"
     args = ["--problem_ids", "1,2,3,4,5", "--num_turns", "1", "--device", "cpu", "--output", str(out)]
     generate.main(args)
@@ -601,6 +598,14 @@ def test_stts_end_to_end_with_real_evaluator(tmp_path, capsys):
         assert exc.value.code == 2 and "another STTS window" in capsys.readouterr().err
 
 
+@pytest.fixture
+def counting_policy(monkeypatch) -> "CountingPolicy":
+    """generate.py's policy replaced by a CountingPolicy: no model loads."""
+    policy = CountingPolicy()
+    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: _scripted_policy(policy))
+    return policy
+
+
 class CountingPolicy:
     """Always answers with code; records how many earlier answers each request carried."""
 
@@ -616,10 +621,9 @@ class CountingPolicy:
     ([], 14, 4),  # KernelGYM: the window counts toward the 5 turns: 5 + 9 x 1 turns, contexts of <= 5 turns
     (["--stts_window_counts", "false"], 50, 8),  # every round adds 5 turns to a 4-turn window
 ])
-def test_paper_stts_asks_for_14_turns_and_never_more_than_4_earlier_ones(tmp_path, fake_eval, monkeypatch,
+def test_paper_stts_asks_for_14_turns_and_never_more_than_4_earlier_ones(tmp_path, fake_eval, counting_policy,
                                                                        extra, requests, most_earlier):
-    policy = CountingPolicy()
-    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: _scripted_policy(policy))
+    policy = counting_policy
     summary = generate.main(["--stts_iterations", "10", "--num_turns", "5", "--stts_window", "4", "--problem_ids", "1",
                              "--device", "cpu", "--output", str(tmp_path / "stts.jsonl"), *extra])
     assert len(policy.earlier) == requests and max(policy.earlier) == most_earlier
