@@ -1123,10 +1123,8 @@ def profile(j: Judge) -> None:
     rows, wall_ms = [], 0.0
     try:
         for i in range(_PROFILED_CALLS):
-            c = call_candidate(j, fresh_seed(), "profile", keep=True)
-            verify(j, c, f"profiled call {i}")
-            rows += _profile_rows(c.reply)
-            wall_ms += c.wall_ms
+            call_rows, call_ms = _profiled_call(j, i)
+            rows, wall_ms = rows + call_rows, wall_ms + call_ms
     except Stop as err:  # the profiler failed, or the candidate under it: no share
         j.details["profile_error"] = err.error[:300]
         rows = []
@@ -1142,6 +1140,15 @@ def profile(j: Judge) -> None:
 
 
 _PROFILED_CALLS = 3
+
+
+def _profiled_call(j: Judge, i: int) -> tuple[list[tuple[str, int, float]], float]:
+    """One verified call under the profiler: its kernel rows and the judge's milliseconds. Its
+    inputs and output copy die here, before the next call draws new ones (at full KernelBench
+    sizes one more such pair is what a GPU lacks)."""
+    c = call_candidate(j, fresh_seed(), "profile", keep=True)
+    verify(j, c, f"profiled call {i}")
+    return _profile_rows(c.reply), c.wall_ms
 
 
 def _profile_doubt(j: Judge, summary: dict, rows: list[tuple[str, int, float]], wall_ms: float) -> str | None:

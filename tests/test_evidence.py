@@ -285,3 +285,26 @@ def test_a_changed_scheduling_of_the_twin_is_caught_and_undone():
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_each_profiled_call_frees_its_buffers_before_the_next(monkeypatch):
+    """At full KernelBench sizes one more input/output pair is more than a GPU holds (level 1's
+    L1Norm on an 80 GB card): a profiled call's inputs and output copy die before the next call
+    draws new ones."""
+    import weakref
+
+    import torch
+
+    j, held = _flow_judge(), []
+
+    def profiled(j_, seed, mode, signed=False, keep=False):
+        assert all(ref() is None for ref in held), "an earlier profiled call's output is still held"
+        output = torch.zeros(4)
+        held.append(weakref.ref(output))
+        return judge.Call(reply={}, wall_ms=1.0, inputs=[torch.zeros(4)], seed=seed, output=output)
+
+    monkeypatch.setattr(judge.Reference, "cuda", property(lambda self: True))
+    monkeypatch.setattr(judge, "call_candidate", profiled)
+    monkeypatch.setattr(judge, "verify", lambda j_, c, label: None)
+    judge.profile(j)
+    assert len(held) == judge._PROFILED_CALLS and "profile_error" not in j.details
