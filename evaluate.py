@@ -57,8 +57,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, Resolved, TaskSelection, compose,
-                             create_output, limit_problems, output_problem, script_config)
+from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, Resolved, TaskSelection, cache_dir_problem,
+                             compose, create_output, limit_problems, output_problem, script_config)
 from drkernel.evalcache import cacheable, fingerprint, result_problem, verdict_settings, with_environment
 from drkernel.evaltypes import VERDICTS
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
@@ -166,9 +166,8 @@ def check_config(cfg: EvaluateConfig) -> None:
 def output_problems(cfg: EvaluateConfig) -> list[str]:
     """Why a directory evaluate.py writes cannot be used (`output_problem`): --output_dir, and
     --cache_dir when one is given."""
-    found = [output_problem("--output_dir", cfg.output_dir, is_dir=True)]
-    if cfg.cache_dir:
-        found.append(output_problem("--cache_dir", cfg.cache_dir, is_dir=True, writable=False))
+    found = [output_problem("--output_dir", cfg.output_dir, is_dir=True),
+             cache_dir_problem("--cache_dir", cfg.cache_dir)]
     return [p for p in found if p]
 
 

@@ -61,7 +61,7 @@ from tqdm import tqdm
 from drkernel import stts
 from drkernel.api_policy import ApiConfig, ApiError, ChatGenerator, Failure
 from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, ModelSelection, Resolved,
-                             TaskSelection, changed_settings, compose, create_output, limit_problems,
+                             TaskSelection, cache_dir_problem, changed_settings, compose, create_output, limit_problems,
                              output_problem, script_config)
 from drkernel.evalcache import result_problem
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
@@ -195,8 +195,7 @@ def output_problems(cfg: GenerateConfig) -> list[str]:
     if found[0] is None:
         found += [output_problem("the summary of --output", str(summary_path(cfg.output))),
                   output_problem("the report of --output", str(report_dir(cfg.output)), is_dir=True)]
-    if cfg.eval_cache_dir:
-        found.append(output_problem("--eval_cache_dir", cfg.eval_cache_dir, is_dir=True, writable=False))
+    found.append(cache_dir_problem("--eval_cache_dir", cfg.eval_cache_dir))
     return [p for p in found if p]
 
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import headers  # noqa: E402
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import InputError, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator, resolve_device  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
@@ -94,6 +94,8 @@ def main() -> None:
                              error=(res.error or "")[:160], share=share, speedup=res.speedup,
                              kernels=res.kernels))
             print(json.dumps(rows[-1]), flush=True)
+    if not rows:  # an empty file would replace the last real results
+        raise InputError(f"--only {args.only}: matches no fixture, attack or solution; {args.out} left as it was")
     save_json(args.out, rows)
     print(f"\n{'file':44s} {'dev':4s} {'expect':30s} {'verdict':14s} {'hacks':30s} ok")
     for r in rows:

@@ -36,10 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import InputError, exit_status  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
-from drkernel.config import parse_config  # noqa: E402
-from drkernel.jsonl import dumps, read_jsonl  # noqa: E402
+from drkernel.config import int_list, parse_config  # noqa: E402
+from drkernel.jsonl import dumps, field_problem, read_jsonl  # noqa: E402
 from drkernel.tasks import Task, load_kernelbench  # noqa: E402
 
 SOLUTIONS = ROOT / "bench" / "solutions"
@@ -157,10 +157,6 @@ class KernelBenchEvalConfig:
                 "into <out_dir>/<run>/ (for a GPU run whose plots did not come back), run nothing"})
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in str(text).replace(" ", "").split(",") if x]
-
-
 def _out_dir(cfg: KernelBenchEvalConfig) -> Path:
     if cfg.out_dir:
         return Path(cfg.out_dir)
@@ -169,9 +165,9 @@ def _out_dir(cfg: KernelBenchEvalConfig) -> Path:
 
 def build_runs(cfg: KernelBenchEvalConfig, out: Path) -> list[dict]:
     """Write the run directories; returns `{name, dir, require_triton, levels}` per run."""
-    wanted = set(_ints(cfg.problem_ids))
+    wanted = set(int_list(cfg.problem_ids, "problem_ids"))
     tasks = {}
-    for level in _ints(cfg.levels):
+    for level in int_list(cfg.levels, "levels"):
         for t in load_kernelbench(cfg.tasks, level):
             tasks[t.key] = t
     primary: dict[tuple[int, int], list[str]] = {}
@@ -251,6 +247,23 @@ def format_combined(rows: list[dict], run_names: list[str]) -> str:
     return "\n".join(lines)
 
 
+def read_saved(path: str) -> dict:
+    """The kernelbench_eval.json that --replot names; InputError when the file is another one (not
+    JSON, a list, rows without their problem)."""
+    try:
+        saved = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"--replot {path}: not JSON ({exc})") from None
+    if not (isinstance(saved, dict) and isinstance(saved.get("runs"), dict) and isinstance(saved.get("rows"), list)):
+        raise InputError(f"--replot {path}: not a kernelbench_eval.json (an object with runs and rows)")
+    for i, row in enumerate(saved["rows"]):
+        problem = "not an object" if not isinstance(row, dict) else \
+            field_problem(row, {"level": int, "problem_id": int}, required=("level", "problem_id"))
+        if problem:
+            raise InputError(f"--replot {path}: rows[{i}] {problem}")
+    return saved
+
+
 def replot(saved: dict, out: Path) -> dict:
     """Summary, plots and report.md of every run in a saved kernelbench_eval.json, from its rows."""
     from drkernel import metrics, report
@@ -297,7 +310,7 @@ def main(argv=None) -> dict:
     out = _out_dir(cfg)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.replot:
-        return replot(json.loads(Path(cfg.replot).read_text()), out)
+        return replot(read_saved(cfg.replot), out)
     runs = build_runs(cfg, out)
     for run in runs:
         print(f"[kernelbench_eval] {run['name']}: {run['problems']} problem(s) in {run['dir']}\n"

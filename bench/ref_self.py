@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 from bench.entry import exit_status  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
+from drkernel.config import int_list  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator, resolve_device  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
 
@@ -101,7 +102,7 @@ def main() -> int:
     ap.add_argument("--baseline", default="eager")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "ref_self.json"))
     args = ap.parse_args()
-    levels = [] if args.levels == "none" else [int(x) for x in args.levels.split(",") if x]
+    levels = [] if args.levels == "none" else int_list(args.levels, "--levels")
     out = {"config": vars(args)}
     keys = [k for k in args.repeat.split(",") if k]
     every = [t for lvl in (1, 2, 3) for t in load_kernelbench(args.kernelbench, lvl)]

@@ -185,6 +185,12 @@ def output_problem(option: str, path: str, is_dir: bool = False, writable: bool 
     return None
 
 
+def cache_dir_problem(option: str, path: str) -> str | None:
+    """Why an evaluation cache directory cannot be used, or None (also when none is given); the
+    cache skips entries it cannot write, so a path that is no directory would be silently unused."""
+    return output_problem(option, path, is_dir=True, writable=False) if path else None
+
+
 def create_output(option: str, path: str, is_dir: bool = False) -> str | None:
     """Create an output now (a file left as it is, or empty), so that a path the system refuses
     (a read-only file system, /proc) is one line before a model loads; why not, or None."""
@@ -480,6 +486,8 @@ class TaskSelection:
     def selected_tasks(self) -> list:
         """The selected tasks; ConfigError when the selection cannot be read or is empty."""
         from drkernel.tasks import TaskError, is_dataset, load_tasks
+        if not self.tasks.strip():
+            raise ConfigError("--tasks is empty (name bundled, a KernelBench path or hub id, or a .py or dir of .py)")
         if self.level_list() != [1] and not is_dataset(self.tasks):
             raise ConfigError(f"--levels {self.levels}: levels select splits of a KernelBench dataset; "
                               f"tasks={self.tasks!r} has none (drop --levels)")

@@ -686,6 +686,8 @@ class _Command:
 
 def _parse(argv: list[str]) -> _Command:
     """The command line, checked; `_UsageError` (its message already on stderr) when it is unusable."""
+    from drkernel.config import cache_dir_problem
+
     p = _parser()
     a = p.parse_args(argv)
     try:  # `auto` is left to the judge, which asks torch itself: importing torch here would add
@@ -696,6 +698,8 @@ def _parse(argv: list[str]) -> _Command:
     for flag, path in (("--reference", a.reference), ("--candidate", a.candidate)):
         if not os.path.isfile(path):
             p.error(f"{flag}: no such file: {path}")
+    if problem := cache_dir_problem("--cache_dir", a.cache_dir):
+        p.error(problem)
     cfg = EvalConfig(**{opt.name: getattr(a, opt.name) for opt in _OPTIONS})
     cfg.device = device
     return _Command(a.reference, a.candidate, cfg, a.json)

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from drkernel import metrics
-from drkernel.config import TaskSelection
+from drkernel.config import TaskSelection, output_problem
 from drkernel.jsonl import finite, first_reasons, iter_jsonl
 
 IGNORE_INDEX = -100
@@ -537,6 +537,8 @@ def convert_file(cfg: ConvertConfig) -> ConvertStats:
     path = Path(cfg.generations)
     if not path.is_file():
         raise SFTDataError(f"--generations {path}: no such file")
+    if problem := output_problem("--out", cfg.out):
+        raise SFTDataError(problem)
     if Path(cfg.out).resolve() == path.resolve():
         raise SFTDataError(f"--out {cfg.out} is the --generations file: it would be overwritten")
     for name in ("min_reward", "min_speedup"):
@@ -547,13 +549,21 @@ def convert_file(cfg: ConvertConfig) -> ConvertStats:
     tasks = cfg.selected_tasks()
     out_rows, stats = generations_to_sft(rows, tasks, cfg.min_reward, cfg.min_speedup, cfg.train_failed_turns)
     stats.skipped = unreadable + stats.skipped  # file lines first, then rows without integer counts
-    Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(cfg.out) + ".tmp")
-    with open(tmp, "w") as fh:
-        for r in out_rows:
-            fh.write(json.dumps(r) + "\n")
-    os.replace(tmp, cfg.out)
+    try:
+        _write_rows(Path(cfg.out), out_rows)
+    except OSError as exc:
+        raise SFTDataError(f"--out {cfg.out}: cannot write it ({exc.strerror or exc})") from None
     return stats
+
+
+def _write_rows(out: Path, rows: list[dict]) -> None:
+    """`rows` as JSONL at `out`, replaced atomically (a kill leaves the old file or the new one)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(str(out) + ".tmp")
+    with open(tmp, "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    os.replace(tmp, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -53,7 +53,7 @@ import torch.utils.checkpoint
 
 from drkernel.advantages import ESTIMATORS, SCALES, compute_advantages
 from drkernel.config import (BELOW_1, COUNT, FINITE, FRACTION, NON_NEGATIVE, POSITIVE, UP_TO_1, WORKERS, ConfigError, Limit,
-                             Names, OneOf, TaskSelection, comma_items, compose)
+                             Names, OneOf, TaskSelection, cache_dir_problem, comma_items, compose)
 from drkernel.evaltypes import VERDICTS, EvalConfig, EvalResult
 from drkernel.generation import GenerationConfig, GenOutput, logprob_temperature
 from drkernel.loss import LOSS_TYPES, LossConfig, policy_loss
@@ -1227,6 +1227,8 @@ class TrainConfig(RunConfig, TaskSelection):
 
     def __post_init__(self) -> None:
         problems = option_problems(self)
+        if cache := cache_dir_problem("--eval_cache_dir", self.eval_cache_dir):
+            problems.append(cache)
         if self.scale_rewards != "none" and self.estimator != "grpo":
             problems.append("scale_rewards=group needs estimator=grpo")
         if self.gradient_accumulation_steps != 1:

@@ -116,3 +116,47 @@ def test_judge_costs_with_zero_repeats_is_one_line_from_the_command_line(tmp_pat
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == ["judge_costs.py: error: --repeats must be >= 1, got 0"]
     assert not out.exists()
+
+
+# ---- bench/kernelbench_eval.py and bench/ref_self.py on bad input ------------------------------
+
+@pytest.mark.parametrize("content, says", [
+    ("nope", "not JSON"), ("[1, 2]", "not a kernelbench_eval.json (an object with runs and rows)"),
+    ('{"runs": {}, "rows": [{"level": 1}]}', "rows[0] lacks problem_id"),
+    ('{"runs": {}, "rows": [3]}', "rows[0] not an object"),
+])
+def test_kernelbench_eval_replot_of_another_file_is_one_line(content, says, tmp_path, capsys):
+    from bench import kernelbench_eval
+    from bench.entry import exit_status
+
+    saved = tmp_path / "saved.json"
+    saved.write_text(content)
+    argv = ["--replot", str(saved), "--out_dir", str(tmp_path / "out")]
+    assert exit_status(lambda: kernelbench_eval.main(argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f": error: --replot {saved}: {says}" in err.strip().splitlines()[-1], err
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("kernelbench_eval.py", ["--levels", "1,x", "--build_only"], "levels must be a comma list of integers, not '1,x'"),
+    ("kernelbench_eval.py", ["--problem_ids", "y", "--build_only"], "problem_ids must be a comma list of integers, not 'y'"),
+    ("ref_self.py", ["--levels", "x"], "--levels must be a comma list of integers, not 'x'"),
+])
+def test_a_level_list_that_is_not_integers_is_one_line(script, args, says, tmp_path):
+    import subprocess
+
+    out = ["--out_dir", str(tmp_path / "out")] if script == "kernelbench_eval.py" else ["--out", str(tmp_path / "o.json")]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, *out], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [f"{script}: error: {says}"], proc.stderr
+
+
+def test_hacks_with_an_only_that_matches_nothing_keeps_the_results_file(tmp_path):
+    import subprocess
+
+    out = tmp_path / "hacks.json"
+    out.write_text("[\"earlier results\"]")
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "hacks.py"), "--device", "cpu", "--only", "zzzz",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--only zzzz: matches no fixture" in proc.stderr.strip().splitlines()[-1]
+    assert out.read_text() == "[\"earlier results\"]"

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drkernel.config import coerce, compose, create_output, disagreements, limit_problems, limits, parse_config, shared_settings
+from drkernel.config import ConfigError, TaskSelection, coerce, compose, create_output, disagreements, limit_problems, limits, parse_config, shared_settings
 from drkernel.evaluator import EvalConfig
 from drkernel.rollout import RolloutConfig
+from drkernel.runtime import start_run
 from drkernel.sft import SFTConfig
 from drkernel.trainer import TrainConfig
 
@@ -212,3 +213,26 @@ def test_create_output_makes_the_path_now_and_names_a_refused_one(tmp_path):
     assert (tmp_path / "b" / "c").is_dir()
     problem = create_output("--output_dir", "/proc/drk_none/eval", is_dir=True)
     assert problem and problem.startswith("--output_dir /proc/drk_none/eval: cannot create it")
+
+
+@pytest.mark.parametrize("cls", (TrainConfig, SFTConfig), ids=lambda c: c.__name__)
+def test_a_training_stage_creates_its_output_dir_before_a_model_loads(cls, tmp_path):
+    """A path the system refuses (here /proc, writable to root by its mode) names the option."""
+    made = tmp_path / "run"
+    assert start_run(cls, ["--config", "none", "--output_dir", str(made)], None, "train.py") and made.is_dir()
+    with pytest.raises(ConfigError, match="^--output_dir /proc/drk_none/run: cannot create it"):
+        start_run(cls, ["--config", "none", "--output_dir", "/proc/drk_none/run"], None, "train.py")
+
+
+def test_an_eval_cache_dir_that_is_a_file_is_refused_not_left_unused(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert parse_config(TrainConfig, ["--eval_cache_dir", str(tmp_path / "cache")]).eval_cache_dir
+    with pytest.raises(ConfigError, match=f"^--eval_cache_dir {a_file}: is a file, not a directory$"):
+        parse_config(TrainConfig, ["--eval_cache_dir", str(a_file)])
+
+
+@pytest.mark.parametrize("tasks", ["", "  "])
+def test_an_empty_tasks_option_says_so(tasks):
+    with pytest.raises(ConfigError, match="^--tasks is empty"):
+        TaskSelection(tasks=tasks).selected_tasks()

@@ -194,3 +194,13 @@ def test_module_run_keeps_exit_status_and_json_line_through_a_pipe():
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert out.returncode == 2, out.stderr
     assert last_json(out.stdout)["usage_error"] is True
+
+
+def test_a_cache_dir_that_is_a_file_is_a_usage_error(fake, tmp_path, capsys):
+    """The cache skips entries it cannot write: a file there would silently cache nothing."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert evaluator.main([*FILES, "--device", "cpu", "--cache_dir", str(a_file), "--json"]) == 2
+    out = last_json(capsys.readouterr().out)
+    assert out["usage_error"] is True and out["error"] == f"--cache_dir {a_file}: is a file, not a directory"
+    assert fake.configs == []

@@ -526,6 +526,15 @@ def test_generations_cli_skips_and_names_unusable_lines(generations, tmp_path, c
     assert not out.exists()
 
 
+@pytest.mark.parametrize("out, says", [("", "--out is empty (name a file)"),
+                                       ("{tmp}", "--out {tmp}: is a directory, not a file"),
+                                       ("/proc/drk_none/sft.jsonl", "--out /proc/drk_none/sft.jsonl: cannot write it")])
+def test_generations_cli_names_an_out_it_cannot_write(generations, tmp_path, capsys, out, says):
+    out, says = out.format(tmp=tmp_path), says.format(tmp=tmp_path)
+    assert sft_data.main(["--generations", str(generations), "--out", out]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"drkernel.sft_data: error: {says}")
+
+
 def test_bundled_labels_with_the_default_models_template():
     """The offline default's real chat template (SmolLM2, fetched into the cache on first use)
     on the bundled set."""
