@@ -31,6 +31,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import types
 import typing
 from pathlib import Path
@@ -180,9 +181,23 @@ def output_problem(option: str, path: str, is_dir: bool = False, writable: bool 
         nearest = nearest.parent
     if not nearest.is_dir() and nearest != p:
         return f"{option} {path}: lies below a file ({nearest})"
-    if writable and not os.access(nearest, os.W_OK):
+    if writable and not _can_write(nearest):
         return f"{option} {path}: {nearest} is not writable"
     return None
+
+
+def _can_write(place: Path) -> bool:
+    """Whether an existing file can be written, or a file created in an existing folder, by trying
+    (opened to append, or created and removed): the permission bits do not say it for root, a
+    read-only mount or /proc."""
+    try:
+        if place.is_dir():
+            tempfile.TemporaryFile(dir=place).close()
+        else:
+            open(place, "a").close()
+    except OSError:
+        return False
+    return True
 
 
 def cache_dir_problem(option: str, path: str) -> str | None:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
 from drkernel.config import (BELOW_1, COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, ModelSelection, Names,
-                             changed_settings, comma_items, create_output, limit_problems, load_config, output_problem,
+                             changed_settings, comma_items, limit_problems, load_config, output_problem,
                              shown_path)
 from drkernel.jsonl import json_safe
 
@@ -401,12 +401,9 @@ def say(line: str) -> None:
 
 def start_run(cls: type[T], argv: Sequence[str] | None, preset: str | os.PathLike | None, prog: str) -> T:
     """A training stage's settings (`load_config`), announced in one line on stderr, with the
-    resume check done and --output_dir created (ConfigError when either refuses), so that a path
-    the system refuses is named before a model loads."""
+    resume check done (ConfigError when it refuses)."""
     run = load_config(cls, argv, preset)
     say(run.start_line(prog))
     for warning in check_resume(run.cfg):
         say(f"{prog}: warning: {warning}")
-    if problem := create_output("--output_dir", run.cfg.output_dir, is_dir=True):
-        raise ConfigError(problem)
     return run.cfg

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drkernel.config import ConfigError, TaskSelection, coerce, compose, create_output, disagreements, limit_problems, limits, parse_config, shared_settings
+from drkernel.config import (ConfigError, TaskSelection, coerce, compose, create_output, disagreements, limit_problems,
+                             limits, output_problem, parse_config, shared_settings)
 from drkernel.evaluator import EvalConfig
 from drkernel.rollout import RolloutConfig
 from drkernel.runtime import start_run
@@ -216,11 +217,10 @@ def test_create_output_makes_the_path_now_and_names_a_refused_one(tmp_path):
 
 
 @pytest.mark.parametrize("cls", (TrainConfig, SFTConfig), ids=lambda c: c.__name__)
-def test_a_training_stage_creates_its_output_dir_before_a_model_loads(cls, tmp_path):
+def test_a_training_stage_refuses_an_output_dir_it_cannot_create_before_a_model_loads(cls, tmp_path):
     """A path the system refuses (here /proc, writable to root by its mode) names the option."""
-    made = tmp_path / "run"
-    assert start_run(cls, ["--config", "none", "--output_dir", str(made)], None, "train.py") and made.is_dir()
-    with pytest.raises(ConfigError, match="^--output_dir /proc/drk_none/run: cannot create it"):
+    assert start_run(cls, ["--config", "none", "--output_dir", str(tmp_path / "run")], None, "train.py")
+    with pytest.raises(ConfigError, match="^--output_dir /proc/drk_none/run: /proc is not writable"):
         start_run(cls, ["--config", "none", "--output_dir", "/proc/drk_none/run"], None, "train.py")
 
 
@@ -236,3 +236,10 @@ def test_an_eval_cache_dir_that_is_a_file_is_refused_not_left_unused(tmp_path):
 def test_an_empty_tasks_option_says_so(tasks):
     with pytest.raises(ConfigError, match="^--tasks is empty"):
         TaskSelection(tasks=tasks).selected_tasks()
+
+
+def test_an_output_below_a_place_nothing_can_be_created_in_is_refused_even_for_root(tmp_path):
+    """Writability is tried, not read from permission bits (which pass for root on /proc)."""
+    assert output_problem("--out", "/proc/drk_none/rows.json") == "--out /proc/drk_none/rows.json: /proc is not writable"
+    assert output_problem("--out", str(tmp_path / "new" / "rows.json")) is None
+    assert list(tmp_path.iterdir()) == []  # the try leaves nothing behind

@@ -528,7 +528,7 @@ def test_generations_cli_skips_and_names_unusable_lines(generations, tmp_path, c
 
 @pytest.mark.parametrize("out, says", [("", "--out is empty (name a file)"),
                                        ("{tmp}", "--out {tmp}: is a directory, not a file"),
-                                       ("/proc/drk_none/sft.jsonl", "--out /proc/drk_none/sft.jsonl: cannot write it")])
+                                       ("/proc/drk_none/sft.jsonl", "--out /proc/drk_none/sft.jsonl: /proc is not writable")])
 def test_generations_cli_names_an_out_it_cannot_write(generations, tmp_path, capsys, out, says):
     out, says = out.format(tmp=tmp_path), says.format(tmp=tmp_path)
     assert sft_data.main(["--generations", str(generations), "--out", out]) == 2
