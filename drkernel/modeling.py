@@ -140,13 +140,32 @@ def adapter_base(name: str) -> str | None:
 
 
 def _resolve(name: str) -> tuple[str, dict[str, Any]]:
-    """Model name -> (from_pretrained path, extra kwargs)."""
+    """Model name -> (from_pretrained path, extra kwargs); FileNotFoundError for a local path that
+    names no saved model (transformers would read it as a malformed hub id)."""
     name = local_name(name)
     if name == OFFLINE_DEFAULT:
         return smollm2_path(), {}
+    if problem := _local_path_problem(name):
+        raise FileNotFoundError(problem)
     if name.endswith(".gguf") and os.path.isfile(name):
         return str(Path(name).parent), {"gguf_file": Path(name).name}
     return name, {}
+
+
+_SAVED_FILES = ("config.json", "adapter_config.json", "tokenizer_config.json", "tokenizer.json")
+
+
+def _local_path_problem(name: str) -> str | None:
+    """Why `name`, which can only be a local path, names no saved model, or None. A hub id is
+    `org/model`: a name starting with `/`, `.` or `~`, with more than one `/`, or a `.gguf` file
+    is a path."""
+    path = Path(name).expanduser()
+    if not path.exists():
+        is_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or name.endswith(".gguf")
+        return f"{name}: no such file or directory" if is_path else None
+    if path.is_dir() and not any((path / f).is_file() for f in _SAVED_FILES):
+        return f"{name}: a directory with none of {', '.join(_SAVED_FILES)} (not a saved model)"
+    return None
 
 
 def _tokenizer_source(name: str) -> str:

@@ -130,10 +130,11 @@ def test_warm_start_adapter_learnt_the_bundled_conversations():
 def test_a_model_that_cannot_be_loaded_is_one_clear_error(tmp_path):
     from drkernel.modeling import ModelLoadError, load_model, load_tokenizer
     (tmp_path / "garbage.bin").write_bytes(b"\x00\x01not a model")
-    for bad in (str(tmp_path / "missing"), str(tmp_path)):
-        with pytest.raises(ModelLoadError, match="cannot load a model"):
+    # a local path is named as one, not read as a malformed hub id
+    for bad, why in ((str(tmp_path / "missing"), "no such file or directory"), (str(tmp_path), "not a saved model")):
+        with pytest.raises(ModelLoadError, match=f"^cannot load a model from '{bad}': FileNotFoundError: .*{why}"):
             load_model(bad)
-        with pytest.raises(ModelLoadError, match="cannot load a tokenizer"):
+        with pytest.raises(ModelLoadError, match=f"^cannot load a tokenizer from '{bad}': .*{why}"):
             load_tokenizer(bad)
     with pytest.raises(ModelLoadError, match="dtype must be one of"):
         load_model(str(tmp_path), dtype="foo")
