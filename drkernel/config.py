@@ -202,8 +202,11 @@ def _can_write(place: Path) -> bool:
 
 def cache_dir_problem(option: str, path: str) -> str | None:
     """Why an evaluation cache directory cannot be used, or None (also when none is given); the
-    cache skips entries it cannot write, so a path that is no directory would be silently unused."""
-    return output_problem(option, path, is_dir=True, writable=False) if path else None
+    cache skips entries it cannot write, so a path that is no directory, or one that does not exist
+    and cannot be made, would be silently unused. An existing one may be read-only (shared)."""
+    if not path:
+        return None
+    return output_problem(option, path, is_dir=True, writable=not Path(path).exists())
 
 
 def create_output(option: str, path: str, is_dir: bool = False) -> str | None:

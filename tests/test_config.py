@@ -230,6 +230,9 @@ def test_an_eval_cache_dir_that_is_a_file_is_refused_not_left_unused(tmp_path):
     assert parse_config(TrainConfig, ["--eval_cache_dir", str(tmp_path / "cache")]).eval_cache_dir
     with pytest.raises(ConfigError, match=f"^--eval_cache_dir {a_file}: is a file, not a directory$"):
         parse_config(TrainConfig, ["--eval_cache_dir", str(a_file)])
+    with pytest.raises(ConfigError, match="^--eval_cache_dir /proc/drk_none/cache: /proc is not writable$"):
+        parse_config(TrainConfig, ["--eval_cache_dir", "/proc/drk_none/cache"])  # it could never be made
+    assert parse_config(TrainConfig, ["--eval_cache_dir", "/proc"]).eval_cache_dir  # an existing one may be read-only
 
 
 @pytest.mark.parametrize("tasks", ["", "  "])
