@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import check_outputs, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.advantages import compute_advantages  # noqa: E402
 from drkernel.evaluator import EvalResult  # noqa: E402
@@ -421,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plots", type=Path, help="write the three plots into this folder")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    check_outputs(("--json", args.json, False), ("--plots", args.plots, True))
     result = run(args.quick, args.seed)
     if args.plots:
         result["plots"] = plot({"gradients": result["gradients"], "lazy": result["lazy"],

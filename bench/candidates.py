@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import InputError, check_outputs, exit_status  # noqa: E402
 from bench.kernelbench_eval import shrunk_task, solution_files  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, BUNDLED_SOLUTIONS_DIR, Task, load_kernelbench, load_task_file  # noqa: E402
 
@@ -381,6 +381,17 @@ def by_task(candidates: Iterable[Candidate]) -> dict[str, list[Candidate]]:
     return dict(groups)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """InputError for a value `mixed_set` would take silently (a negative size is every candidate;
+    a device other than cuda* leaves out the GPU-only fixtures) and for a --write folder that
+    cannot be written, before the candidates are built."""
+    if args.size < 0:
+        raise InputError(f"--size must be >= 0 (0: every candidate), got {args.size}")
+    if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", args.device):
+        raise InputError(f"bad --device {args.device!r}: use cpu, cuda or cuda:N")
+    check_outputs(("--write", args.write or None, True))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernelbench", default=str(DEFAULT_KERNELBENCH))
@@ -390,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write", default="", help="write each candidate to DIR/<name>.py")
     args = ap.parse_args(argv)
+    check_args(args)
     cands = mixed_set(all_candidates(args.kernelbench, args.shrink), args.size, args.seed, args.device)
     for c in cands:
         expect = " ".join(filter(None, [c.expected_verdict or "?", *c.expected_hacks]))

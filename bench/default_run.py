@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import check_outputs, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 
 LIMIT_S = 600.0  # the "under 10 minutes on a 2-core CPU"
@@ -51,6 +51,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "default_run_cpu.json"))
     args = ap.parse_args()
+    check_outputs(("--out", args.out, False))
     with tempfile.TemporaryDirectory(prefix="drk_default_") as tmp:
         output_dir, cache = Path(tmp) / "rl", Path(tmp) / "cache"
         wall_s = run_default(output_dir, cache)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from drkernel.config import ConfigError
+from drkernel.config import ConfigError, output_problem
 from drkernel.evaluator import DeviceError
 from drkernel.tasks import TaskError
 
@@ -16,6 +16,16 @@ from drkernel.tasks import TaskError
 class InputError(ValueError):
     """A command-line value or input file a bench script cannot use (a malformed list, a count
     below 1, a file of the wrong format); the message is for the user."""
+
+
+def check_outputs(*outputs: tuple[str, str | Path | None, bool]) -> None:
+    """InputError for the first (option, path, is_dir) that cannot be written (/proc, a read-only
+    place, a file where a folder goes): checked before the work, whose results would otherwise be
+    lost at the end. A path of None (an output not asked for) is skipped."""
+    for option, path, is_dir in outputs:
+        problem = None if path is None else output_problem(option, str(path), is_dir=is_dir)
+        if problem:
+            raise InputError(problem)
 
 
 BAD_INPUT = (TaskError, DeviceError, ConfigError, InputError, OSError)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.candidates import (Candidate, all_candidates, bundled_task, composition, full_size_set,  # noqa: E402
                               mixed_set, rl_batch)
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import check_outputs, exit_status  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evalcache import fingerprint  # noqa: E402
@@ -315,6 +315,7 @@ def eval_config(args) -> EvalConfig:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    check_outputs(("--json", args.json, False), ("--cache-dir", args.cache_dir or None, True))
     args.device = resolve_device(args.device)  # before anything applies @triton.jit
     workers = [1] + [w for w in dict.fromkeys(int(x) for x in args.workers.split(",") if x) if w != 1]
     candidates = candidate_set(args)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import check_outputs, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator, resolve_device  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
@@ -98,6 +98,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated substrings: run only matching cases")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "evaluator.json"))
     args = ap.parse_args()
+    check_outputs(("--out", args.out, False))
 
     tasks = {(t.level, t.problem_id): t for lvl in (1, 2) for t in load_kernelbench(args.kernelbench, lvl)}
     cases = []  # (label, task, candidate code, allow_torch)

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import headers  # noqa: E402
-from bench.entry import InputError, exit_status  # noqa: E402
+from bench.entry import InputError, check_outputs, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator, resolve_device  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--kernelbench", default="../shared/kernelbench")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "hacks.json"))
     args = ap.parse_args()
+    check_outputs(("--out", args.out, False))
     args.device = resolve_device(args.device)  # a GPU asked for and missing: one line, not a JSON of crashes
     files = [f for d in ("hacks", "faults", "legit") for f in sorted((ROOT / "tests/fixtures" / d).glob("*.py"))]
     if args.only:

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.entry import InputError, exit_status  # noqa: E402
+from bench.entry import InputError, check_outputs, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel import compare, judge  # noqa: E402
 from drkernel.channel import Channel  # noqa: E402
@@ -116,6 +116,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.repeats < 1:
         raise InputError(f"--repeats must be >= 1, got {args.repeats}")
+    check_outputs(("--json", args.json, False))
     return args
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.entry import InputError, exit_status  # noqa: E402
+from bench.entry import InputError, check_outputs, exit_status  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
 from drkernel.config import int_list, parse_config  # noqa: E402
 from drkernel.jsonl import dumps, field_problem, read_jsonl  # noqa: E402
@@ -308,6 +308,7 @@ def flat_copies(runs: list[dict]) -> list[Path]:
 def main(argv=None) -> dict:
     cfg = parse_config(KernelBenchEvalConfig, argv)
     out = _out_dir(cfg)
+    check_outputs(("--out_dir", out, True))
     out.mkdir(parents=True, exist_ok=True)
     if cfg.replot:
         return replot(read_saved(cfg.replot), out)

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import check_outputs, exit_status  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.config import int_list  # noqa: E402
@@ -102,6 +102,7 @@ def main() -> int:
     ap.add_argument("--baseline", default="eager")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "ref_self.json"))
     args = ap.parse_args()
+    check_outputs(("--out", args.out, False))
     levels = [] if args.levels == "none" else int_list(args.levels, "--levels")
     out = {"config": vars(args)}
     keys = [k for k in args.repeat.split(",") if k]

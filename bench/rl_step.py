@@ -56,7 +56,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import Candidate, all_candidates, by_task, composition, mixed_set  # noqa: E402
-from bench.entry import InputError, exit_status  # noqa: E402
+from bench.entry import InputError, check_outputs, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from bench.rollout import QWEN25_05B  # noqa: E402
 from drkernel.evaluator import DeviceError, resolve_device  # noqa: E402
@@ -281,6 +281,7 @@ def main(argv=None) -> int:
         print(f"copied {src} -> {dst}")
         return 0
 
+    check_outputs(("--out", args.out, False))
     args.device = resolve_device(args.device)  # a GPU asked for and missing: one line (DeviceError)
     if args.device == "cpu":
         os.environ["ACCELERATE_USE_CPU"] = "true"  # the trainer's Accelerator stays on the CPU too

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import check_outputs, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from bench.qwen2 import random_model  # noqa: E402
 from drkernel.generation import GenerationConfig, generate  # noqa: E402
@@ -95,6 +95,7 @@ def main(argv=None) -> int:
                    else Path(__file__).resolve().parent / "results" / "rollout.json")
     ap.add_argument("--out", default=str(default_out))
     args = ap.parse_args(argv)
+    check_outputs(("--out", args.out, False))
 
     from drkernel.evaluator import resolve_device
     device = resolve_device(args.device)  # a GPU asked for and missing: one line, exit 2

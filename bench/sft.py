@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import check_outputs, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.modeling import enable_gradient_checkpointing  # noqa: E402
 from drkernel.sft import SFTLoss, sft_step  # noqa: E402
@@ -139,6 +139,7 @@ def main(argv=None) -> int:
                    else Path(__file__).resolve().parent / "results" / "sft.json")
     ap.add_argument("--out", default=str(default_out))
     args = ap.parse_args(argv)
+    check_outputs(("--out", args.out, False))
 
     shape = dict(TINY if args.tiny else QWEN25_15B)
     for key, val in (("hidden_size", args.hidden), ("num_hidden_layers", args.layers),

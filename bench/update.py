@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.entry import exit_status  # noqa: E402
+from bench.entry import check_outputs, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from bench.qwen2 import random_model  # noqa: E402
 from drkernel import modeling  # noqa: E402
@@ -234,6 +234,7 @@ def main(argv=None) -> int:
                    else Path(__file__).resolve().parent / "results" / "update.json")
     ap.add_argument("--out", default=str(default_out))
     args = ap.parse_args(argv)
+    check_outputs(("--out", args.out, False))
 
     device = args.device or ("cpu" if args.tiny else "cuda")
     if device.startswith("cuda") and not torch.cuda.is_available():

@@ -160,3 +160,51 @@ def test_hacks_with_an_only_that_matches_nothing_keeps_the_results_file(tmp_path
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--only zzzz: matches no fixture" in proc.stderr.strip().splitlines()[-1]
     assert out.read_text() == "[\"earlier results\"]"
+
+
+# ---- an output that cannot be written: one line before any work, not a lost result at the end --
+
+UNWRITABLE = "/proc/drk_none/x.json"
+
+
+def assert_refused_at_once(script: str, args: list[str], says: str, monkeypatch, capsys) -> None:
+    """`bench/<script>.py ARGS` (its main, in this process: no second torch import) ends within
+    seconds with exit status 2 and one line starting `<script>.py: error: <says>`."""
+    import importlib
+    import time
+
+    from bench.entry import exit_status
+
+    module = importlib.import_module(f"bench.{script}")
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *args])
+    t0 = time.perf_counter()
+    status = exit_status(module.main)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and err[0].startswith(f"{script}.py: error: {says}"), err
+    assert time.perf_counter() - t0 < 10, "refused only after the work"
+
+
+@pytest.mark.parametrize("script, option", [
+    ("ablation", "--json"), ("candidates", "--write"), ("default_run", "--out"), ("eval_throughput", "--json"),
+    ("evaluator", "--out"), ("hacks", "--out"), ("judge_costs", "--json"), ("kernelbench_eval", "--out_dir"),
+    ("neighbours", "--out"), ("ref_self", "--out"), ("rl_step", "--out"), ("rollout", "--out"), ("sft", "--out"),
+    ("update", "--out"),
+])
+def test_an_output_under_proc_is_one_line_naming_the_option_before_any_work(script, option, monkeypatch, capsys):
+    assert_refused_at_once(script, [option, UNWRITABLE], f"{option} {UNWRITABLE}: ", monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("script, option", [("ablation", "--plots"), ("eval_throughput", "--cache-dir")])
+def test_a_folder_option_naming_a_file_is_one_line_before_any_work(script, option, tmp_path, monkeypatch, capsys):
+    existing = tmp_path / "a_file"
+    existing.write_text("")
+    assert_refused_at_once(script, [option, str(existing)], f"{option} {existing}: is a file, not a directory",
+                           monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--size", "-1"], "--size must be >= 0 (0: every candidate), got -1"),
+    (["--device", "xx"], "bad --device 'xx': use cpu, cuda or cuda:N"),
+], ids=["size", "device"])
+def test_candidates_with_a_negative_size_or_an_unknown_device_is_one_line(args, says, monkeypatch, capsys):
+    assert_refused_at_once("candidates", args, says, monkeypatch, capsys)
