@@ -134,19 +134,23 @@ def _dtype(name: str):
 def plan(inputs: list, outputs: list) -> Layout:
     """Lay out tensors (inputs may hold non-tensor values) one after another, aligned."""
     import torch
-    off = 0
-
-    def slot(t) -> Slot:
-        nonlocal off
-        nb = t.numel() * t.element_size()
-        s = Slot(offset=off, dtype=str(t.dtype), shape=list(t.shape), nbytes=nb)
-        off += -(-max(nb, 1) // _ALIGN) * _ALIGN
-        return s
-
-    ins = [slot(t) if isinstance(t, torch.Tensor) else None for t in inputs]
+    off, ins, outs = 0, [], []
+    for t in inputs:
+        s = None
+        if isinstance(t, torch.Tensor):
+            s, off = _slot(t, off)
+        ins.append(s)
+    for t in outputs:
+        s, off = _slot(t, off)
+        outs.append(s)
     values = [None if isinstance(t, torch.Tensor) else t for t in inputs]
-    outs = [slot(t) for t in outputs]
     return Layout(nbytes=max(off, _ALIGN), inputs=ins, input_values=values, outputs=outs)
+
+
+def _slot(t, off: int) -> tuple[Slot, int]:
+    """Tensor `t`'s slot at offset `off`, and the aligned offset after it."""
+    nb = t.numel() * t.element_size()
+    return Slot(offset=off, dtype=str(t.dtype), shape=list(t.shape), nbytes=nb), off + -(-max(nb, 1) // _ALIGN) * _ALIGN
 
 
 def view(arena, s: Slot):
