@@ -164,6 +164,7 @@ class Runner:
         self.threads0: set[int] = set()
         self.prev_out: Any = None
         self.generators: list = []  # torch's default generators, bound before any candidate code
+        self.null: _NullForward | None = None  # the calibration's stand-in, made once (its copy is no call's cost)
 
     # ---- setup --------------------------------------------------------------------------
 
@@ -209,6 +210,7 @@ class Runner:
         """The model built: `ModelNew` of the candidate, or (the reference twin) `Model` of the
         reference, compiled with torch.compile when asked."""
         torch, name = self.torch, str(msg.get("cls", "ModelNew"))
+        self.null = None  # null calls end where a model begins: the stand-in's memory goes back
         try:
             with torch.no_grad():
                 mod = import_file(self.candidate, "_drk_candidate")
@@ -235,7 +237,9 @@ class Runner:
         mode = msg.get("mode")
         if mode == "null" and self.model is not None:
             return {"error": "null calls calibrate before the candidate exists"}
-        forward = _NullForward(self.slots) if mode == "null" else self.model
+        if mode == "null":
+            self.null = self.null or _NullForward(self.slots)
+        forward = self.null if mode == "null" else self.model
         flow = dataflow.FlowLog(self.keys) if mode in ("check", "noop") else None
         for g in self.generators:  # as the judge seeds the reference's forward; `torch.manual_seed`
             g.manual_seed(int(msg["seed"]))  # would also call backends a candidate can register

@@ -308,3 +308,29 @@ def test_each_profiled_call_frees_its_buffers_before_the_next(monkeypatch):
     monkeypatch.setattr(judge, "verify", lambda j_, c, label: None)
     judge.profile(j)
     assert len(held) == judge._PROFILED_CALLS and "profile_error" not in j.details
+
+
+def test_the_calibration_stand_in_is_made_once_so_no_null_call_pays_its_copy(monkeypatch, tmp_path):
+    """The judge's clock allowance is what a null call costs beyond the runner's own time; a null
+    call that also cloned an output-sized tensor made it larger than any real call's (about 4 ms
+    on a 6 GiB output: room for a forged timer). The stand-in's tensors are made once."""
+    import torch
+
+    from drkernel import compare, confine, runner
+
+    made = []
+
+    class Counted(runner._NullForward):
+        def __init__(self, slots):
+            made.append(1)
+            super().__init__(slots)
+
+    monkeypatch.setattr(runner, "_NullForward", Counted)
+    r = runner.Runner(str(tmp_path), confine.Confinement())
+    r.torch, r.device, r.recorder = torch, torch.device("cpu"), runner.LaunchRecorder(str(tmp_path / "c.py"))
+    r.inputs, r.slots = [torch.ones(8)], [torch.zeros(8)]
+    r.structure = json.loads(json.dumps(compare.structure(torch.zeros(8)), default=str))
+    for seed in range(3):
+        reply = r.call({"op": "call", "mode": "null", "seed": seed})
+        assert "error" not in reply and "mismatch" not in reply, reply
+    assert len(made) == 1
