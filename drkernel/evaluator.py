@@ -252,8 +252,19 @@ def evaluate(reference, candidate, cfg: EvalConfig | None = None, reward_config=
         return ev.evaluate(reference, candidate)
 
 
-def _text(src) -> str:
-    return _read(src)[0]
+def _text(src: Any) -> str:
+    """The source text of a path or of text; bytes decode as UTF-8 (U+FFFD for the rest). Any
+    other value (None: a policy that wrote no code) is no source, an empty text that fails the
+    static checks like one, so that one bad item costs its own verdict, not the batch."""
+    if isinstance(src, bytes):
+        return src.decode("utf-8", "replace")
+    return _read(src)[0] if isinstance(src, (str, os.PathLike)) else ""
+
+
+def _pair(item: Any) -> tuple[Any, Any]:
+    if not (isinstance(item, (tuple, list)) and len(item) == 2):
+        raise TypeError(f"evaluate_many takes (reference, candidate) pairs, got {str(item)[:80]!r}")
+    return item[0], item[1]
 
 
 def _visible_gpus() -> list[str]:
@@ -446,7 +457,7 @@ class Evaluator:
 
     def evaluate_many(self, pairs) -> list[EvalResult]:
         """Results in the order of `pairs` ((reference, candidate): paths or source)."""
-        texts = [(_text(r), _text(c)) for r, c in pairs]
+        texts = [(_text(r), _text(c)) for r, c in map(_pair, pairs)]
         results = evalcache.evaluate_cached(texts, self.cfg, self._run, self.cache, self.environment)
         for r in results:  # the reward, scored here once, with this caller's weights, fresh or cached
             r.reward = None

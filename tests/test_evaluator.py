@@ -372,3 +372,16 @@ def test_degenerate_check_flags_trivial_answers_only(monkeypatch, programs, bloc
     assert "input 0" in (ev.degenerate(x.clone(), near_identity, [x], cfg) or "")
     varied = torch.randn(4000, generator=g)
     assert ev.degenerate(varied.clone(), varied, [x], cfg) is None
+
+
+def test_a_batch_item_that_is_no_source_fails_alone():
+    """evaluate_many over a batch where one candidate is None (no code) or a number: that item is
+    `compile_error`, its neighbours are judged, bytes are source; a malformed pair is a TypeError
+    that says what the call takes."""
+    ref = str(TASKS / "1_ReLU.py")
+    assert shared_evaluate(ref, LEGIT_RELU, cfg()).verdict == "correct"
+    evaluator = _SHARED[0][1]
+    results = evaluator.evaluate_many([(ref, None), (ref, 5), (ref, LEGIT_RELU.encode())])
+    assert [r.verdict for r in results] == ["compile_error", "compile_error", "correct"]
+    with pytest.raises(TypeError, match=r"takes \(reference, candidate\) pairs"):
+        evaluator.evaluate_many([(ref,)])
