@@ -417,7 +417,11 @@ class Evaluator:
 
     def __init__(self, cfg: EvalConfig | None = None, workers: int | None = None, reward_config=None,
                  group_size: int = 8):
+        from drkernel.config import ConfigError, limit_problems
+
         self.cfg = cfg or EvalConfig()
+        if problems := limit_problems(self.cfg):  # as the scripts check it: before any process starts
+            raise ConfigError("EvalConfig: " + "; ".join(problems))
         self.reward_config = reward_config
         self.group_size = max(1, int(group_size))
         env = _sandbox_env(self.cfg.device)

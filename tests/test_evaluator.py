@@ -385,3 +385,14 @@ def test_a_batch_item_that_is_no_source_fails_alone():
     assert [r.verdict for r in results] == ["compile_error", "compile_error", "correct"]
     with pytest.raises(TypeError, match=r"takes \(reference, candidate\) pairs"):
         evaluator.evaluate_many([(ref,)])
+
+
+@pytest.mark.parametrize("bad, says", [({"trials": 0}, "trials must be >= 1"), ({"device": "tpu"}, "device must be"),
+                                       ({"timeout": float("nan")}, "timeout must be a finite number")])
+def test_an_evaluator_with_a_setting_out_of_its_limits_is_refused_before_it_starts(bad, says):
+    """The limits the scripts check hold for library callers too: one clear error, not a
+    `crashed` verdict from inside the sandbox for every candidate."""
+    from drkernel.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"^EvalConfig: {says}"):
+        Evaluator(EvalConfig(**bad))
