@@ -45,9 +45,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.candidates import (Candidate, all_candidates, bundled_task, composition, full_size_set,  # noqa: E402
                               mixed_set, rl_batch)
-from bench.entry import check_outputs, exit_status  # noqa: E402
+from bench.entry import InputError, check_outputs, exit_status  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
+from drkernel.config import int_list  # noqa: E402
 from drkernel.evalcache import fingerprint  # noqa: E402
 from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device  # noqa: E402
 
@@ -299,6 +300,15 @@ def parse_args(argv: list[str] | None):
     return ap.parse_args(argv)
 
 
+def worker_counts(text: str) -> list[int]:
+    """--workers as the passes to run: 1 first (every other pass is compared with it), then the
+    others in order, each at least 1."""
+    counts = int_list(text, "--workers")
+    if any(w < 1 for w in counts):
+        raise InputError(f"--workers must list counts >= 1, got {text!r}")
+    return [1] + [w for w in dict.fromkeys(counts) if w != 1]
+
+
 def candidate_set(args) -> list[Candidate]:
     everything = all_candidates(args.kernelbench, args.shrink)
     if args.set == "rl":
@@ -316,8 +326,10 @@ def eval_config(args) -> EvalConfig:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     check_outputs(("--json", args.json, False), ("--cache-dir", args.cache_dir or None, True))
+    workers = worker_counts(args.workers)
+    if args.size < 0:
+        raise InputError(f"--size must be >= 0 (0: all), got {args.size}")
     args.device = resolve_device(args.device)  # before anything applies @triton.jit
-    workers = [1] + [w for w in dict.fromkeys(int(x) for x in args.workers.split(",") if x) if w != 1]
     candidates = candidate_set(args)
     pairs = [(c.task.code, c.code) for c in candidates]
     print(f"{len(candidates)} candidates {composition(candidates)}; workers {workers}", flush=True)

@@ -208,3 +208,13 @@ def test_a_folder_option_naming_a_file_is_one_line_before_any_work(script, optio
 ], ids=["size", "device"])
 def test_candidates_with_a_negative_size_or_an_unknown_device_is_one_line(args, says, monkeypatch, capsys):
     assert_refused_at_once("candidates", args, says, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--workers", "x"], "--workers must be a comma list of integers, not 'x'"),
+    (["--workers", "1,0"], "--workers must list counts >= 1, got '1,0'"),
+    (["--size", "-1"], "--size must be >= 0 (0: all), got -1"),
+], ids=["workers-text", "workers-zero", "size"])
+def test_eval_throughput_with_bad_counts_is_one_line(args, says, tmp_path, monkeypatch, capsys):
+    assert_refused_at_once("eval_throughput", [*args, "--device", "cpu", "--shrink", "--json",
+                                               str(tmp_path / "t.json")], says, monkeypatch, capsys)
