@@ -28,6 +28,7 @@ _REF_ATTRS = {
     "get_objects", "get_referrers", "get_referents", "_getframe", "currentframe",
     "getouterframes", "getinnerframes", "f_back", "f_globals", "f_locals", "f_builtins",
     "tb_frame", "gi_frame", "cr_frame", "ag_frame", "_current_frames", "stack", "trace",
+    "walk_stack", "walk_tb", "getargvalues", "tb_next",
 }
 _REF_MODULES = {"ctypes", "gc", "_ctypes", "cffi", "importlib", "runpy", "pkgutil", "imp", "marshal", "drkernel"}
 # attributes that reach from an object into the interpreter's own machinery (other modules'
@@ -85,8 +86,8 @@ def _import_findings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]
             out.append(("thread_spawned", f"imports {n}"))
         if n.startswith("torch.library") or n in ("torch.overrides", "torch.utils._python_dispatch"):
             out.append(("patched_function", f"imports {n}"))
-    if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "inspect":
-        out += [("reference_access", f"inspect.{a.name}") for a in node.names if a.name in _REF_ATTRS]
+    if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("inspect", "traceback"):
+        out += [("reference_access", f"{node.module}.{a.name}") for a in node.names if a.name in _REF_ATTRS]
     if isinstance(node, ast.ImportFrom) and node.module == "sys":
         for a in node.names:
             if a.name in ("modules", "_getframe", "_current_frames"):
