@@ -167,6 +167,12 @@ def shown_path(path: str | os.PathLike) -> str:
         return str(p)
 
 
+def error_line(exc: BaseException) -> str:
+    """A library's exception as one line of ours: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
 def output_problem(option: str, path: str, is_dir: bool = False, writable: bool = True) -> str | None:
     """Why `path` cannot be written as a file (or used as a directory), or None when it can;
     `writable=False` (a shared cache that may be read-only) checks only its kind."""

