@@ -463,11 +463,17 @@ def test_api_client_error_fails_fast(tmp_path, server, fake_eval, capsys, code, 
     assert len(server.requests) == 1 and _rows(out) == []
 
 
+def _generated(tmp_path, problem_ids: str, num_turns: int) -> tuple[Path, list[str]]:
+    """One generate.py run into tmp_path/g.jsonl (the scripted policy): the file and the options to run it again."""
+    out = tmp_path / "g.jsonl"
+    args = ["--problem_ids", problem_ids, "--num_turns", str(num_turns), "--device", "cpu", "--output", str(out)]
+    generate.main(args)
+    return out, args
+
+
 def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, counting_policy, capsys):
     policy = counting_policy
-    out = tmp_path / "g.jsonl"
-    args = ["--problem_ids", "1", "--num_turns", "2", "--device", "cpu", "--output", str(out)]
-    generate.main(args)
+    out, args = _generated(tmp_path, "1", 2)
     good = _lines(out)
     bad_row = json.dumps({**json.loads(good[0]), "turn": "x"})
     out.write_text("\n".join([good[0], bad_row, "[1, 2]", good[1], good[1][:30]]))
@@ -489,9 +495,7 @@ def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, 
 
 def test_resume_regenerates_mistyped_rows_and_names_them(tmp_path, fake_eval, counting_policy, capsys):
     policy = counting_policy
-    out = tmp_path / "g.jsonl"
-    args = ["--problem_ids", "1,2,3,4,5", "--num_turns", "1", "--device", "cpu", "--output", str(out)]
-    generate.main(args)
+    out, args = _generated(tmp_path, "1,2,3,4,5", 1)
     rows = _rows(out)
     assert len(rows) == len(policy.earlier) == 5 and rows[0]["verdict"] == "correct"
     flaws = [{"verdict": 5}, {"correct": "yes"}, {"settings": None}, {"hacks": 5}]
