@@ -24,10 +24,10 @@ def memory_estimate(ref_mod, total: int) -> int:
     the fresh inputs the reference also runs on; a reference that writes into its inputs runs on
     yet another copy, not counted); the larger of its inputs and outputs once more (a checked
     call's output copy, or the input-sized block the judge's caching allocator held in the H200
-    runs); its outputs three times (the arena's slots, the candidate's output and its previous one
-    in the runner); the peak of the reference's forward twice (the judge's and the twin's: output
-    and intermediates); and the three CUDA contexts. Reference outputs the judge keeps for later
-    candidates of its group are bounded apart (`judge._CACHE_BYTES`) and come on top.
+    runs); its outputs twice (the arena's slots, the candidate's output in the runner, which keeps
+    no earlier output alive); the peak of the reference's forward twice (the judge's and the twin's:
+    output and intermediates); and the three CUDA contexts. Reference outputs the judge keeps for
+    later candidates of its group come on top where they fit its bound (`judge._CACHE_BYTES`).
     A forward that does not run on the meta device within two seconds (recurrent layers step by
     step) counts its output and peak as large as its inputs; a reference that cannot even be built
     there is assumed to need half the GPU."""
@@ -40,7 +40,8 @@ def memory_estimate(ref_mod, total: int) -> int:
     except Exception:
         return total // 2
     outs, peak = meta_forward_bytes(model, inputs, ins)
-    return 4 * params + 2 * ins + max(ins, outs) + 3 * outs + 2 * peak + _CONTEXTS + _KEPT
+    kept = _KEPT if outs <= _KEPT else 0
+    return 4 * params + 2 * ins + max(ins, outs) + 2 * outs + 2 * peak + _CONTEXTS + kept
 
 
 class LiveBytes(TorchDispatchMode):

@@ -74,6 +74,8 @@ class Call:
     inputs: list
     seed: int
     output: Any = None
+    before_s: float = 0.0  # the judge's seconds before the request (inputs, poison, flush)
+    after_s: float = 0.0  # and after the reply (the output's copy)
 
 
 @dataclasses.dataclass
@@ -175,9 +177,12 @@ class Judge:
         """Add the seconds since `since` to `details.split_s[part]` (where the job's time goes by
         kind of work, across phases); returns now."""
         now = _perf()
-        split = self.details.setdefault("split_s", {})
-        split[part] = round(split.get(part, 0.0) + now - since, 4)
+        self.add(part, now - since)
         return now
+
+    def add(self, part: str, seconds: float) -> None:
+        split = self.details.setdefault("split_s", {})
+        split[part] = round(split.get(part, 0.0) + seconds, 4)
 
     def mark(self, phase: str) -> None:
         self.ref.mark(phase, self.details)
@@ -310,6 +315,7 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
     """Fresh inputs into the arena, slots poisoned, L2 flushed; then one call, timed by this clock.
     With `keep`, the committed output is copied the moment the reply arrives (the runner is
     stopped by then; a write that lands later never counts)."""
+    start = _perf()
     inputs = gen_inputs(r, seed, signed)
     _write_inputs(r, inputs)
     _poison_slots(r)
@@ -318,12 +324,14 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
     _sync(r.device)
     t0 = _perf()
     reply = channel.ask({"op": "call", "mode": mode, "seed": seed})
-    wall = (_perf() - t0) * 1e3
+    t1 = _perf()
     if "error" in reply:
         raise runner_error(reply, "forward raised")
-    c = Call(reply=reply, wall_ms=wall, inputs=inputs, seed=seed)
+    c = Call(reply=reply, wall_ms=(t1 - t0) * 1e3, inputs=inputs, seed=seed, before_s=t0 - start)
     if keep:
         c.output = _clone(committed(r, c))
+        _sync(r.device)
+    c.after_s = _perf() - t1
     return c
 
 
@@ -334,9 +342,22 @@ def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False, keep: b
     before = _scheduling(j)
     c = call(j.ref, j.runner, seed, mode, signed, keep)
     j.spend("candidate", t)
+    _split_call(j, c)
+    t = _perf()
     _check_processes(j, f"a {mode} call")
     _check_scheduling(j, before)
+    j.spend("process_checks", t)
     return c
+
+
+def _split_call(j: Judge, c: Call) -> None:
+    """A candidate call's seconds by part, beside `candidate` in `split_s`; the runner's own split
+    is what it says (diagnostics only: nothing is judged on it)."""
+    spent = c.reply.get("spent_ms") if isinstance(c.reply.get("spent_ms"), dict) else {}
+    said = {f"runner_{k}": v / 1e3 for k, v in spent.items() if k in ("forward", "after") and isinstance(v, float)}
+    parts = {"call_inputs": c.before_s, "call_reply": c.wall_ms / 1e3, "call_output_copy": c.after_s, **said}
+    for part, seconds in parts.items():
+        j.add(part, seconds)
 
 
 def _sched_of(pid: int) -> tuple | None:
@@ -492,9 +513,10 @@ def _plan_arena(r: Reference, warm: list, ref_out) -> None:
     r.ref_aliases = compare.overlap(compare.ranges(compare.tensors(ref_out)), compare.ranges(compare.tensors(warm)))
     r.layout = ipc.plan(warm, compare.tensors(ref_out))
     r.details["output_structure"] = json.loads(json.dumps(compare.structure(ref_out), default=str))
-    if r.cuda and r.cfg.l2_flush:
-        r.flush = torch.empty(2**26, dtype=torch.float32, device=r.device)  # 256 MB, more than L2
     r.arena, r.handle = ipc.allocate(r.layout, r.device, os.path.dirname(r.twin.dir))
+    if r.cuda and r.cfg.l2_flush:  # after the arena's emptied cache: carved out of a freed input-sized
+        # block, these 256 MB (more than L2) would keep the whole block from ever being released
+        r.flush = torch.empty(2**26, dtype=torch.float32, device=r.device)
     r.in_views = [ipc.view(r.arena, s) if s else None for s in r.layout.inputs]
     r.out_views = [ipc.view(r.arena, s) for s in r.layout.outputs]
 

@@ -162,7 +162,7 @@ class Runner:
         self.watched: dict[str, tuple[Any, str]] = {}
         self.evidence_state = ""
         self.threads0: set[int] = set()
-        self.prev_out: Any = None
+        self.prev_out: list = []  # weak references to the last checked call's output storages
         self.generators: list = []  # torch's default generators, bound before any candidate code
         self.null: _NullForward | None = None  # the calibration's stand-in, made once (its copy is no call's cost)
 
@@ -245,6 +245,7 @@ class Runner:
             g.manual_seed(int(msg["seed"]))  # would also call backends a candidate can register
         self.recorder.begin(noop=mode == "noop", flow=flow)
         rows = None
+        t0 = _perf()
         try:
             with self.torch.no_grad():  # the snapshot was taken in no_grad: compare in the same mode
                 if mode == "profile":
@@ -252,6 +253,7 @@ class Runner:
                     out, rows = profiling.profile_cuda(functools.partial(forward, *self.inputs))
                 else:
                     ms, out = self._timed(forward, flow)
+                t1 = _perf()
                 findings = self.integrity("call") if mode == "check" else []
         except BaseException as exc:  # noqa: BLE001
             self.recorder.end()
@@ -266,7 +268,9 @@ class Runner:
             reply.update(self._facts(out, flow))
         if findings:
             reply["findings"] = findings
-        self.prev_out = out if mode == "check" else None
+        self.prev_out = _weak_storages(out) if mode == "check" else []
+        # where this process's time went (diagnostics for `split_s`, never evidence)
+        reply["spent_ms"] = {"forward": (t1 - t0) * 1e3, "after": (_perf() - t1) * 1e3}
         return reply
 
     def _timed(self, forward, flow: dataflow.FlowLog | None) -> tuple[float, Any]:
@@ -308,7 +312,7 @@ class Runner:
         outs = compare.tensors(out)
         out_ranges = compare.data_ranges(outs)
         in_ranges = compare.data_ranges(compare.tensors(self.inputs))
-        prev = compare.ranges(compare.tensors(self.prev_out)) if self.prev_out is not None else []
+        prev = [span for ref, span in self.prev_out if not ref.expired()]
         return {"bad_type": compare.bad_type(out),
                 "aliases_input": compare.overlap(out_ranges, in_ranges),
                 "reuses_previous_output": compare.overlap(compare.ranges(outs), prev),
@@ -453,6 +457,15 @@ def build_model(cls, init: list, seed: int, device):
         torch.cuda.manual_seed_all(seed)
     model = cls(*init)
     return model.to(device) if hasattr(model, "to") else model
+
+
+def _weak_storages(out) -> list:
+    """An output's storages and byte ranges, not kept alive: a storage the candidate still holds
+    when its next output lands on it is a cached answer; one it let go may be reused by the
+    allocator honestly (holding it here would cost an output's memory)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return [(StorageWeakRef(t.untyped_storage()), span)
+            for t in compare.tensors(out) for span in compare.ranges([t])]
 
 
 def _describe(exc: BaseException) -> str:

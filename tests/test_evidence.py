@@ -334,3 +334,35 @@ def test_the_calibration_stand_in_is_made_once_so_no_null_call_pays_its_copy(mon
         reply = r.call({"op": "call", "mode": "null", "seed": seed})
         assert "error" not in reply and "mismatch" not in reply, reply
     assert len(made) == 1
+
+
+def test_the_runner_keeps_no_checked_output_alive_but_still_sees_a_cached_one(tmp_path):
+    """A checked call's output is not held until the next call (a 6 GiB output held twice kept
+    jobs from sharing a GPU); a storage the candidate itself keeps and returns again is still
+    `reuses_previous_output`, one it let go is not."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from drkernel import compare, confine, dataflow, runner
+
+    class Model:
+        kept = None
+        cache = False
+
+        def __call__(self, x):
+            out = Model.kept if Model.cache and Model.kept is not None else x * 2
+            Model.kept = out if Model.cache else None
+            Model.last = StorageWeakRef(out.untyped_storage())
+            return out
+
+    r = runner.Runner(str(tmp_path), confine.Confinement())
+    r.torch, r.device, r.recorder = torch, torch.device("cpu"), runner.LaunchRecorder(str(tmp_path / "c.py"))
+    r.inputs, r.slots, r.model = [torch.ones(8)], [torch.zeros(8)], Model()
+    r.structure = json.loads(json.dumps(compare.structure(torch.zeros(8)), default=str))
+    r.keys = dataflow.Keys()
+    r.integrity = lambda where: []
+    for cache in (False, True):
+        Model.cache = cache
+        replies = [r.call({"op": "call", "mode": "check", "seed": s}) for s in range(2)]
+        assert Model.last.expired() != cache
+        assert replies[1]["reuses_previous_output"] is cache, replies[1]
