@@ -363,18 +363,26 @@ def groups(preps: list["_Prepared"], todo: list[int], size: int) -> list[_Job]:
 
 class _Queue:
     """Jobs in order, except that a job whose GPU memory does not fit now lets the next one that
-    does go first: a runner never sits waiting for memory while other work could use it."""
+    does go first: a runner never sits waiting for memory while other work could use it. When
+    none fits, the worker waits here, outside any job: a job's time limit is its own work's, and
+    one that waited for its neighbours' memory inside it ran out of time before its reference
+    was even built. After `patience_s` the first job goes anyway (and waits in its job)."""
 
-    def __init__(self, jobs: list[_Job]):
+    def __init__(self, jobs: list[_Job], patience_s: float = 600.0, poll_s: float = 0.1):
         self._jobs = list(jobs)
         self._lock = threading.Lock()
+        self.patience_s, self.poll_s = patience_s, poll_s
 
     def take(self) -> _Job | None:
-        with self._lock:
-            if not self._jobs:
-                return None
-            k = next((k for k, job in enumerate(self._jobs) if job.fits()), 0)  # none fits: wait in the job
-            return self._jobs.pop(k)
+        give_up = time.monotonic() + self.patience_s
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    return None
+                k = next((k for k, job in enumerate(self._jobs) if job.fits()), None)
+                if k is not None or time.monotonic() > give_up:
+                    return self._jobs.pop(k or 0)
+            time.sleep(self.poll_s)
 
     def put_back(self, job: _Job) -> None:
         with self._lock:
@@ -490,7 +498,7 @@ class Evaluator:
         """Every group on the pool's runners; a group given back for lack of GPU memory goes to the
         back of the queue with its need known (`_Queue`). Results in the candidates' order."""
         from concurrent.futures import ThreadPoolExecutor
-        queue, runs = _Queue(jobs), [_Run(EvalResult())] * n_results
+        queue, runs = _Queue(jobs, patience_s=float(self.cfg.timeout)), [_Run(EvalResult())] * n_results
         n = max(1, min(self.workers, len(jobs)))
         with ThreadPoolExecutor(max_workers=n) as ex:
             for f in [ex.submit(self._drain, queue, runs) for _ in range(n)]:

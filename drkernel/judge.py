@@ -963,6 +963,16 @@ def _reserve_memory(r: Reference) -> None:
         r.details["deferred"] = {"memory_bytes": need, "capacity_bytes": r.memory.capacity, "gpu": _physical_gpu(r)}
         raise Stop("crashed", "deferred: the GPU memory this job needs is promised to other jobs")
     r.details["memory_wait_s"] = round(waited, 3)
+    _not_counted(r, waited)
+
+
+def _not_counted(r: Reference, seconds: float) -> None:
+    """Seconds spent waiting for other jobs' memory are not the reference's: the group's deadline
+    and the twin's move on by as much (the sandbox's own limit still bounds the job)."""
+    left, _ = signal.getitimer(signal.ITIMER_REAL)
+    if left > 0:
+        signal.setitimer(signal.ITIMER_REAL, left + seconds)
+    r.twin.deadline += seconds
 
 
 # ======================================================================================

@@ -366,3 +366,17 @@ def test_the_runner_keeps_no_checked_output_alive_but_still_sees_a_cached_one(tm
         replies = [r.call({"op": "call", "mode": "check", "seed": s}) for s in range(2)]
         assert Model.last.expired() != cache
         assert replies[1]["reuses_previous_output"] is cache, replies[1]
+
+
+def test_waiting_for_other_jobs_memory_does_not_use_up_the_references_time(monkeypatch):
+    """A job that waited for its neighbours' GPU memory had its reference judged too slow: the
+    group's deadline and the twin's move on by the seconds waited."""
+    import signal
+
+    r = judge.Reference(cfg=EvalConfig(), reference_path="", twin=Channel(sock=None, pid=0, dir=""))
+    r.twin.deadline = 100.0
+    monkeypatch.setattr(signal, "getitimer", lambda which: (5.0, 0.0))
+    armed = []
+    monkeypatch.setattr(signal, "setitimer", lambda which, seconds: armed.append(seconds))
+    judge._not_counted(r, 30.0)
+    assert armed == [35.0] and r.twin.deadline == 130.0

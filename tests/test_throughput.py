@@ -1,5 +1,7 @@
 """Several workers give the verdicts one worker gives, and the cache answers repeats (CPU)."""
 
+import time
+
 import pytest
 
 from drkernel.evaluator import EvalResult, Evaluator, _preflight_verdict, _Run, default_workers_per_gpu, rerun_alone
@@ -192,11 +194,32 @@ def test_a_job_whose_memory_does_not_fit_lets_the_next_one_go_first(tmp_path, mo
     neighbour = _ledger_holding(tmp_path, monkeypatch, 70)
     try:
         big, small, new = _Job(0, None, need=60, capacity=100), _Job(1, None, need=20, capacity=100), _Job(2, None)
-        queue = _Queue([big, small, new])
+        queue = _Queue([big, small, new], patience_s=0.3, poll_s=0.01)
         assert queue.take() is small  # 70 + 60 does not fit, 70 + 20 does
         assert queue.take() is new  # its need is not known yet: it asks its judge
-        assert queue.take() is big  # nothing else left: it waits for memory in its own job
+        t0 = time.monotonic()
+        assert queue.take() is big  # nothing else left: it waits, then goes and waits in its own job
+        assert time.monotonic() - t0 >= 0.3
         assert queue.take() is None
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+
+
+def test_a_worker_waits_for_memory_outside_any_job_until_a_neighbour_lets_go(tmp_path, monkeypatch):
+    """Waiting inside a job counted against its time limit: on a full-size RL batch, jobs that
+    waited for their neighbours' memory were judged `reference_error` (set-up past the timeout)."""
+    import threading
+
+    from drkernel.evaluator import _Job, _Queue
+    neighbour = _ledger_holding(tmp_path, monkeypatch, 70)
+    big = _Job(0, None, need=60, capacity=100)
+    queue = _Queue([big], patience_s=30.0, poll_s=0.01)
+    threading.Timer(0.3, lambda: (neighbour.kill(), neighbour.wait())).start()
+    t0 = time.monotonic()
+    try:
+        assert queue.take() is big
+        assert 0.3 <= time.monotonic() - t0 < 10
     finally:
         neighbour.kill()
         neighbour.wait()
