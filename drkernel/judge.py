@@ -138,6 +138,8 @@ class Reference:
             import torch
             peak = torch.cuda.max_memory_reserved(self.device)
             details.setdefault("memory_peak_gib_by_phase", {})[phase] = round(peak / 2**30, 2)
+            used = torch.cuda.max_memory_allocated(self.device)  # below the reserved peak: blocks cached unused
+            details.setdefault("memory_allocated_gib_by_phase", {})[phase] = round(used / 2**30, 2)
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
