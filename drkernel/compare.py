@@ -180,8 +180,8 @@ _CHUNK = 1 << 24  # elements per comparison chunk: the detailed pass holds about
 
 
 def _chunks(*ts):
-    """Matching float64 slices of equally sized tensors: the detailed pass never holds more than
-    a few hundred MB of temporaries, whatever the output's size."""
+    """Matching float64 slices of equally sized tensors: the detailed pass holds a few chunks of
+    temporaries, whatever the output's size."""
     import torch
     flats = [t.detach().reshape(-1) for t in ts]
     for start in range(0, flats[0].numel(), _CHUNK):

@@ -366,7 +366,9 @@ class _Queue:
     does go first: a runner never sits waiting for memory while other work could use it. When
     none fits, the worker waits here, outside any job: a job's time limit is its own work's, and
     one that waited for its neighbours' memory inside it ran out of time before its reference
-    was even built. After `patience_s` the first job goes anyway (and waits in its job)."""
+    was even built. After `patience_s` the first job goes anyway (and waits in its job). Jobs
+    taken at once may together not fit (nothing is reserved until their judges ask): the later
+    ones wait in their jobs, with the group's deadline paused (`judge._deadlines_paused`)."""
 
     def __init__(self, jobs: list[_Job], patience_s: float = 600.0, poll_s: float = 0.1):
         self._jobs = list(jobs)

@@ -7,6 +7,7 @@ when their estimates fit beside each other (`sandbox.MemoryLedger`).
 from __future__ import annotations
 
 import signal
+import time
 import weakref
 
 import torch
@@ -77,9 +78,11 @@ def _too_slow(signum, frame):
 
 def meta_forward_bytes(model, inputs: list, fallback: int, limit_s: float = 2.0) -> tuple[int, int]:
     """(output bytes, peak live bytes) of the reference's forward on the meta device, or
-    (`fallback`, `fallback`) when it cannot tell in time."""
+    (`fallback`, `fallback`) when it cannot tell in time. A caller's own alarm (the judge's group
+    deadline) is put back afterwards, less the time spent here."""
     previous = signal.signal(signal.SIGALRM, _too_slow)
-    signal.setitimer(signal.ITIMER_REAL, limit_s)
+    t0 = time.monotonic()
+    outer, _ = signal.setitimer(signal.ITIMER_REAL, limit_s)
     live = LiveBytes()
     try:
         with torch.device("meta"), torch.no_grad(), live:
@@ -90,3 +93,5 @@ def meta_forward_bytes(model, inputs: list, fallback: int, limit_s: float = 2.0)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer > 0:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - t0), 1e-3))

@@ -356,7 +356,7 @@ def _split_call(j: Judge, c: Call) -> None:
     """A candidate call's seconds by part, beside `candidate` in `split_s`; the runner's own split
     is what it says (diagnostics only: nothing is judged on it)."""
     spent = c.reply.get("spent_ms") if isinstance(c.reply.get("spent_ms"), dict) else {}
-    said = {f"runner_{k}": v / 1e3 for k, v in spent.items() if k in ("forward", "after") and isinstance(v, float)}
+    said = {f"runner_{k}": ipc.number(spent, k, 0.0) / 1e3 for k in ("forward", "after")}
     parts = {"call_inputs": c.before_s, "call_reply": c.wall_ms / 1e3, "call_output_copy": c.after_s, **said}
     for part, seconds in parts.items():
         j.add(part, seconds)
@@ -960,21 +960,27 @@ def _reserve_memory(r: Reference) -> None:
     # held back: the contexts of jobs not yet admitted (about 1 GiB each)
     r.memory = MemoryLedger(_physical_gpu(r), int(max(0.8 * total, total - 12 * 2**30)))
     r.details["memory_estimate_gib"] = round(need / 2**30, 2)
-    waited = r.memory.reserve(need, wait=not r.defer)
+    with _deadlines_paused(r):
+        waited = r.memory.reserve(need, wait=not r.defer)
     if waited is None:
         r.details["deferred"] = {"memory_bytes": need, "capacity_bytes": r.memory.capacity, "gpu": _physical_gpu(r)}
         raise Stop("crashed", "deferred: the GPU memory this job needs is promised to other jobs")
     r.details["memory_wait_s"] = round(waited, 3)
-    _not_counted(r, waited)
 
 
-def _not_counted(r: Reference, seconds: float) -> None:
-    """Seconds spent waiting for other jobs' memory are not the reference's: the group's deadline
-    and the twin's move on by as much (the sandbox's own limit still bounds the job)."""
-    left, _ = signal.getitimer(signal.ITIMER_REAL)
-    if left > 0:
-        signal.setitimer(signal.ITIMER_REAL, left + seconds)
-    r.twin.deadline += seconds
+@contextlib.contextmanager
+def _deadlines_paused(r: Reference):
+    """Time spent waiting for other jobs' memory is not the reference's: the group's alarm stops
+    meanwhile and the twin's deadline moves on by the wait (the sandbox's own limit still bounds
+    the job)."""
+    left, _ = signal.setitimer(signal.ITIMER_REAL, 0)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        if left > 0:
+            signal.setitimer(signal.ITIMER_REAL, left)
+        r.twin.deadline += time.monotonic() - t0
 
 
 # ======================================================================================

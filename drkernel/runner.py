@@ -162,7 +162,7 @@ class Runner:
         self.watched: dict[str, tuple[Any, str]] = {}
         self.evidence_state = ""
         self.threads0: set[int] = set()
-        self.prev_out: list = []  # weak references to the last checked call's output storages
+        self.prev_out: list = []  # the last checked call's output storages (`_kept_storages`)
         self.generators: list = []  # torch's default generators, bound before any candidate code
         self.null: _NullForward | None = None  # the calibration's stand-in, made once (its copy is no call's cost)
 
@@ -268,7 +268,7 @@ class Runner:
             reply.update(self._facts(out, flow))
         if findings:
             reply["findings"] = findings
-        self.prev_out = _weak_storages(out) if mode == "check" else []
+        self.prev_out = _kept_storages(out) if mode == "check" else []
         # where this process's time went (diagnostics for `split_s`, never evidence)
         reply["spent_ms"] = {"forward": (t1 - t0) * 1e3, "after": (_perf() - t1) * 1e3}
         return reply
@@ -312,7 +312,7 @@ class Runner:
         outs = compare.tensors(out)
         out_ranges = compare.data_ranges(outs)
         in_ranges = compare.data_ranges(compare.tensors(self.inputs))
-        prev = [span for ref, span in self.prev_out if not ref.expired()]
+        prev = [span for ref, span in self.prev_out if _still_held(ref)]
         return {"bad_type": compare.bad_type(out),
                 "aliases_input": compare.overlap(out_ranges, in_ranges),
                 "reuses_previous_output": compare.overlap(compare.ranges(outs), prev),
@@ -459,13 +459,25 @@ def build_model(cls, init: list, seed: int, device):
     return model.to(device) if hasattr(model, "to") else model
 
 
-def _weak_storages(out) -> list:
-    """An output's storages and byte ranges, not kept alive: a storage the candidate still holds
-    when its next output lands on it is a cached answer; one it let go may be reused by the
-    allocator honestly (holding it here would cost an output's memory)."""
+def _kept_storages(out) -> list:
+    """An output's storages and byte ranges, for the next checked call: a storage the candidate
+    still holds when its next output lands on it is a cached answer; one it let go may be reused
+    by the allocator honestly. Storages of the caching allocator are referenced weakly (holding
+    them would cost an output's memory); memory it does not own (`from_dlpack`, `from_blob`),
+    whose storage objects are new each time, is held (its owner keeps it alive anyway)."""
     from torch.multiprocessing.reductions import StorageWeakRef
-    return [(StorageWeakRef(t.untyped_storage()), span)
-            for t in compare.tensors(out) for span in compare.ranges([t])]
+    kept = []
+    for t in compare.tensors(out):
+        try:
+            st = t.untyped_storage()
+            kept += [(StorageWeakRef(st) if st.resizable() else st, span) for span in compare.ranges([t])]
+        except Exception:  # noqa: BLE001 - a tensor without storage (sparse, meta) leaves nothing to compare
+            continue
+    return kept
+
+
+def _still_held(ref) -> bool:
+    return not ref.expired() if hasattr(ref, "expired") else True
 
 
 def _describe(exc: BaseException) -> str:

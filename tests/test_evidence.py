@@ -348,10 +348,13 @@ def test_the_runner_keeps_no_checked_output_alive_but_still_sees_a_cached_one(tm
     class Model:
         kept = None
         cache = False
+        dlpack = False
 
         def __call__(self, x):
             out = Model.kept if Model.cache and Model.kept is not None else x * 2
             Model.kept = out if Model.cache else None
+            if Model.dlpack:  # a new storage object over the same kept memory each call
+                out = torch.from_dlpack(out)
             Model.last = StorageWeakRef(out.untyped_storage())
             return out
 
@@ -366,17 +369,41 @@ def test_the_runner_keeps_no_checked_output_alive_but_still_sees_a_cached_one(tm
         replies = [r.call({"op": "call", "mode": "check", "seed": s}) for s in range(2)]
         assert Model.last.expired() != cache
         assert replies[1]["reuses_previous_output"] is cache, replies[1]
+    Model.dlpack, Model.kept = True, None
+    replies = [r.call({"op": "call", "mode": "check", "seed": s}) for s in range(2)]
+    assert replies[1]["reuses_previous_output"] is True, replies[1]
 
 
-def test_waiting_for_other_jobs_memory_does_not_use_up_the_references_time(monkeypatch):
+def test_waiting_for_other_jobs_memory_does_not_use_up_the_references_time():
     """A job that waited for its neighbours' GPU memory had its reference judged too slow: the
-    group's deadline and the twin's move on by the seconds waited."""
+    group's alarm pauses while it waits, and the twin's deadline moves on by the wait; the memory
+    estimate's own short alarm gives the group's back (it once cancelled it)."""
     import signal
+
+    import torch
+
+    from drkernel.gpumemory import memory_estimate
+
+    class Ref:
+        Model = torch.nn.ReLU
+
+        @staticmethod
+        def get_init_inputs():
+            return []
+
+        @staticmethod
+        def get_inputs():
+            return [torch.rand(8)]
 
     r = judge.Reference(cfg=EvalConfig(), reference_path="", twin=Channel(sock=None, pid=0, dir=""))
     r.twin.deadline = 100.0
-    monkeypatch.setattr(signal, "getitimer", lambda which: (5.0, 0.0))
-    armed = []
-    monkeypatch.setattr(signal, "setitimer", lambda which, seconds: armed.append(seconds))
-    judge._not_counted(r, 30.0)
-    assert armed == [35.0] and r.twin.deadline == 130.0
+    with judge._reference_deadline(60.0):
+        with judge._deadlines_paused(r):
+            time.sleep(0.3)
+        paused, _ = signal.getitimer(signal.ITIMER_REAL)
+        memory_estimate(Ref, 2**40)
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+    assert 59.9 < paused <= 60.0
+    assert 50.0 < left < paused
+    assert 100.3 <= r.twin.deadline < 110.0
+    assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
