@@ -100,7 +100,7 @@ class EvaluateConfig(TaskSelection):
                             "timeout": "timeout", "require_triton": "require_triton",
                             "cache_dir": "cache_dir", "baseline": "baseline",
                             "require_confinement": "require_confinement"}),)
-    LIMITS = {"trials": COUNT, "perf_trials": NON_NEGATIVE, "timeout": EvalConfig.LIMITS["timeout"], "workers": WORKERS,
+    LIMITS = {"trials": EvalConfig.LIMITS["trials"], "perf_trials": NON_NEGATIVE, "timeout": EvalConfig.LIMITS["timeout"], "workers": WORKERS,
               "samples": COUNT, "chunk_size": NON_NEGATIVE}
 
     candidates: str = dataclasses.field(default="", metadata={

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 
-from drkernel.config import COUNT, NON_NEGATIVE, POSITIVE, Limit, OneOf
+from drkernel.config import NON_NEGATIVE, POSITIVE, Limit, OneOf
 
 # `reference_error`: the reference itself failed (import, build, inputs, forward); never the
 # candidate's fault, never a reward signal.
@@ -26,8 +26,8 @@ HACK_CODES = ("no_triton_kernel", "decoy_kernel", "output_cached", "output_alias
 class EvalConfig:
     # what each setting accepts, for every script that mirrors it (drkernel.config: LIMITS, SHARED)
     LIMITS = {"device": OneOf(pattern=r"auto|cpu|cuda(:\d+)?", text="auto, cpu, cuda or cuda:N"),
-              "baseline": OneOf(BASELINES), "trials": COUNT, "perf_trials": COUNT, "cpu_perf_trials": COUNT,
-              "warmup": NON_NEGATIVE, "timeout": Limit(0, 7 * 86400, low_open=True, why="seconds, at most a week"), "atol_fp32": POSITIVE, "rtol_fp32": POSITIVE,
+              "baseline": OneOf(BASELINES), "trials": Limit(1, 1000, why="each trial is a full call of both models"),
+              "perf_trials": Limit(1, 100_000), "cpu_perf_trials": Limit(1, 100_000), "warmup": Limit(0, 10_000), "timeout": Limit(0, 7 * 86400, low_open=True, why="seconds, at most a week"), "atol_fp32": POSITIVE, "rtol_fp32": POSITIVE,
               "atol_half": POSITIVE, "rtol_half": POSITIVE, "rel_l2_fp32": POSITIVE, "rel_l2_half": POSITIVE,
               "loose_tol": POSITIVE, "seed": Limit(0, 2**32 - 1), "max_rss_mb": NON_NEGATIVE,
               "idle_probe_ms": POSITIVE, "idle_wait_s": NON_NEGATIVE, "max_speedup_recheck": POSITIVE}

@@ -88,6 +88,8 @@ def _read(src: str | os.PathLike) -> tuple[str, str | None]:
     s = os.fspath(src)
     if "\n" not in s and os.path.isfile(s):
         return Path(s).read_bytes().decode("utf-8", "replace"), s
+    if "\n" not in s and (os.path.isdir(s) or s.strip().endswith(".py")):  # a path, not one line of code
+        raise FileNotFoundError(f"{'not a file' if os.path.isdir(s) else 'no such file'}: {s}")
     return s, None
 
 
@@ -258,7 +260,12 @@ def _text(src: Any) -> str:
     static checks like one, so that one bad item costs its own verdict, not the batch."""
     if isinstance(src, bytes):
         return src.decode("utf-8", "replace")
-    return _read(src)[0] if isinstance(src, (str, os.PathLike)) else ""
+    if not isinstance(src, (str, os.PathLike)):
+        return ""
+    try:
+        return _read(src)[0]
+    except OSError:  # the path itself: read again for its item alone, it is that item's verdict
+        return os.fspath(src)
 
 
 def _pair(item: Any) -> tuple[Any, Any]:
@@ -471,6 +478,8 @@ class Evaluator:
 
     def evaluate_many(self, pairs) -> list[EvalResult]:
         """Results in the order of `pairs` ((reference, candidate): paths or source)."""
+        if self.pool.closed:
+            raise RuntimeError("this Evaluator is closed: make a new one")
         texts = [(_text(r), _text(c)) for r, c in map(_pair, pairs)]
         results = evalcache.evaluate_cached(texts, self.cfg, self._run, self.cache, self.environment)
         for r in results:  # the reward, scored here once, with this caller's weights, fresh or cached

@@ -461,7 +461,7 @@ def setup(r: Reference) -> None:
     try:
         from drkernel.runner import import_file
         r.ref_mod = import_file(r.reference_path, "_drk_judge_reference")
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a reference that exits while imported is still the reference's fault
         raise Stop("reference_error", exception_text("the reference failed to import", exc)) from None
     if r.cuda:  # memory first: waiting for it while holding the GPU lock could deadlock
         _warm_up_comparisons(r)
@@ -474,6 +474,8 @@ def setup(r: Reference) -> None:
             raise Stop("reference_error", exception_text("the reference failed to build", exc)) from None
         warm = gen_inputs(r, r.seed)
         ref_out, r.ref_mutates = _first_reference_run(r, warm, r.seed)
+    if ref_out is None:  # a forward that returns nothing: no candidate can be judged against it
+        raise Stop("reference_error", "the reference's forward returned None")
     _plan_arena(r, warm, ref_out)
     r.mark("setup")
 

@@ -767,6 +767,7 @@ class SandboxPool:
     def __init__(self, workers: int = 1, env: dict | None = None, per_worker_env: list[dict] | None = None,
                  preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD):
         self.workers = max(1, int(workers))
+        self.closed = False
         self.servers: list[ForkServer] = []
         self._free: queue.Queue[ForkServer] = queue.Queue()
         for i in range(self.workers):
@@ -788,6 +789,7 @@ class SandboxPool:
     def close(self) -> None:
         for server in self.servers:
             server.close()
+        self.closed = True
 
     def __enter__(self) -> "SandboxPool":
         return self

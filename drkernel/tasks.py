@@ -82,7 +82,10 @@ def load_task_file(path: str | os.PathLike, level: int = 0, problem_id: int | No
     path = Path(path)
     if not path.is_file():
         raise TaskError(f"{path}: no such task file")
-    code = path.read_text()
+    try:
+        code = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     validate_code(code, str(path))
     pid, name = _parse_name(path.name)
     if problem_id is None:

@@ -329,7 +329,7 @@ def test_resume_reevaluates_results_of_other_settings(tmp_path, fake, capsys, fl
 @pytest.mark.parametrize("flags, message", [
     (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
     (["--timeout", "0"], "timeout must be in (0, 604800]"),
-    (["--trials", "0"], "trials must be >= 1"),
+    (["--trials", "0"], "trials must be in [1, 1000]"),
     (["--candidates", "no/such/dir"], "no/such/dir: no such file or directory"),
     (["--denominator", "some"], "--denominator must be one of"),
     (["--no_such_option", "1"], "unknown option(s) --no_such_option"),

@@ -86,14 +86,18 @@ def cfg(**kw):
 _SHARED: list[tuple[str, Evaluator]] = []  # the evaluator of the last configuration used
 
 
-def shared_evaluate(reference, candidate, config: EvalConfig) -> EvalResult:
-    """One evaluation through an Evaluator kept while the configuration stays the same: its fork
+def shared_evaluate_many(pairs, config: EvalConfig) -> list[EvalResult]:
+    """Evaluations through an Evaluator kept while the configuration stays the same: its fork
     server starts once (about 3 s here), as in training, where one Evaluator judges every turn."""
     if not _SHARED or _SHARED[0][0] != repr(config):
         if _SHARED:
             _SHARED.pop()[1].close()
         _SHARED.append((repr(config), Evaluator(config, workers=1)))
-    return _SHARED[0][1].evaluate(reference, candidate)
+    return _SHARED[0][1].evaluate_many(pairs)
+
+
+def shared_evaluate(reference, candidate, config: EvalConfig) -> EvalResult:
+    return shared_evaluate_many([(reference, candidate)], config)[0]
 
 
 def run(task: str, cand: str, **kw) -> EvalResult:
@@ -387,7 +391,7 @@ def test_a_batch_item_that_is_no_source_fails_alone():
         evaluator.evaluate_many([(ref,)])
 
 
-@pytest.mark.parametrize("bad, says", [({"trials": 0}, "trials must be >= 1"), ({"device": "tpu"}, "device must be"),
+@pytest.mark.parametrize("bad, says", [({"trials": 0}, r"trials must be in \[1, 1000\]"), ({"device": "tpu"}, "device must be"),
                                        ({"timeout": float("nan")}, "timeout must be a finite number")])
 def test_an_evaluator_with_a_setting_out_of_its_limits_is_refused_before_it_starts(bad, says):
     """The limits the scripts check hold for library callers too: one clear error, not a
@@ -416,3 +420,34 @@ def test_the_detailed_comparison_holds_a_few_chunks_whatever_the_output_size(mon
             assert not ev._compare_tensor(c, r, 1e-4, 1e-4, 1e-3).ok
         peaks.append(live.peak)
     assert max(peaks) <= 8 * 1000 * 8  # float64 chunk bytes; the output alone is 800,000 bytes
+
+
+def test_a_path_that_does_not_exist_is_its_items_error_not_source_text(tmp_path):
+    """A misspelt path was read as one line of source (a SyntaxError blamed on the code)."""
+    from pathlib import Path
+    ok = str(TASKS / "1_ReLU.py")
+    r_missing, c_missing, c_dir, good = shared_evaluate_many(
+        [(Path(tmp_path / "nope.py"), LEGIT_RELU), (ok, str(tmp_path / "cand.py")), (ok, str(tmp_path)),
+         (ok, LEGIT_RELU)], cfg())
+    assert r_missing.verdict == c_missing.verdict == c_dir.verdict == "runtime_error"
+    assert "no such file" in r_missing.error and "no such file" in c_missing.error and "not a file" in c_dir.error
+    assert good.verdict == "correct", good.error
+
+
+def test_references_that_exit_or_return_none_are_reference_errors():
+    """The candidate was blamed: `crashed` for a reference that exits while imported, `hacked
+    bad_output_type` for one whose forward returns None."""
+    code = (TASKS / "1_ReLU.py").read_text()
+    exits = "import sys\nsys.exit(3)\n" + code
+    none = code.replace("return torch.relu(x)", "torch.relu(x)\n        return None")
+    assert none != code
+    for ref in (exits, none):
+        r = shared_evaluate_many([(ref, LEGIT_RELU)], cfg())[0]
+        assert r.verdict == "reference_error", (r.verdict, r.error)
+
+
+def test_a_closed_evaluator_refuses_work_instead_of_reporting_crashes():
+    with Evaluator(cfg(), workers=1) as ev:
+        pass
+    with pytest.raises(RuntimeError, match="closed"):
+        ev.evaluate(str(TASKS / "1_ReLU.py"), LEGIT_RELU)

@@ -55,3 +55,11 @@ def test_levels_without_a_dataset_are_refused_not_ignored(tasks):
     assert TaskSelection(tasks=tasks).selected_tasks()
     with pytest.raises(ConfigError, match="--levels 2"):
         TaskSelection(tasks=tasks, levels="2").selected_tasks()
+
+
+def test_a_task_file_that_is_not_utf8_is_a_task_error(tmp_path):
+    from drkernel.tasks import load_task_file
+    bad = tmp_path / "1_Bad.py"
+    bad.write_bytes(b"\xff\xfeclass Model: pass\n")
+    with pytest.raises(TaskError, match="not UTF-8 text"):
+        load_task_file(bad)
