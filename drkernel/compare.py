@@ -78,8 +78,8 @@ def bad_type(obj) -> str | None:
     if isinstance(obj, torch.Tensor) or hasattr(obj, "__torch_function__") and not isinstance(obj, (list, tuple, dict)):
         if type(obj) is not torch.Tensor:
             return f"output type {type(obj).__module__}.{type(obj).__qualname__} is not torch.Tensor"
-        if obj.layout != torch.strided:
-            return f"output layout {obj.layout} is not strided"
+        if obj.layout != torch.strided or obj.is_nested:
+            return f"output layout {'nested' if obj.is_nested else obj.layout} is not strided"
         if obj.device.type == "meta":
             return "output is a meta tensor"
         return None

@@ -73,7 +73,10 @@ class Keys:
         self.arena = (arena.data_ptr(), arena.data_ptr() + arena.numel()) if arena is not None else None
 
     def key(self, t: torch.Tensor) -> int:
-        base = t.untyped_storage().data_ptr()
+        try:
+            base = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (sparse, nested): a value apart
+            return id(t)
         if self.arena is not None and self.arena[0] <= base < self.arena[1]:
             return t.data_ptr()
         return base

@@ -264,7 +264,7 @@ class Runner:
             reply["profile"] = {"rows": rows}
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
-        if flow is not None:
+        if flow is not None and not reply.get("structure"):  # an output of the wrong kind is judged already
             reply.update(self._facts(out, flow))
         if findings:
             reply["findings"] = findings
@@ -288,6 +288,9 @@ class Runner:
 
     def _commit(self, out) -> dict:
         """Copy the output into the judge's slots; describe what does not fit instead of copying."""
+        if any(t.layout != self.torch.strided or t.is_nested for t in compare.tensors(out)):
+            return {"mismatch": "an output tensor is not strided (sparse or nested): nothing to copy into a slot",
+                    "structure": True}
         got = json.loads(json.dumps(compare.structure(out), default=str))
         if got != self.structure:
             return {"mismatch": f"output structure {got} vs reference {self.structure}", "structure": True}

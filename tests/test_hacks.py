@@ -398,3 +398,10 @@ def test_outputs_with_dicts_and_plain_values_are_compared_by_key_and_value():
                   'return {"relu": launch(x), "double": twice(x)}, x.shape[0] + 1'):
         r = shared_evaluate(STRUCTURED_REFERENCE, relu_candidate(wrong, extra=double), cfg())
         assert r.verdict == "incorrect", (wrong, r.verdict, r.error)
+
+
+def test_a_sparse_output_is_a_bad_output_type_not_a_crash_of_the_evidence_code():
+    """The data-flow log and the runner's facts read each output's storage, which a sparse tensor
+    lacks: the candidate was `runtime_error` "forward raised" from the evaluator's own code."""
+    r = run("1_ReLU.py", relu_candidate("return launch(x).to_sparse()"))
+    assert_hack(r, "bad_output_type")
