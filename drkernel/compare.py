@@ -72,13 +72,19 @@ def structure(obj):
     return type(obj).__name__
 
 
+def strided(t) -> bool:
+    """A tensor with elements of its own in one strided block: not sparse, not nested."""
+    import torch
+    return t.layout == torch.strided and not t.is_nested
+
+
 def bad_type(obj) -> str | None:
     """Anything but plain torch.Tensor (or list/tuple/dict of them, or plain scalars)."""
     import torch
     if isinstance(obj, torch.Tensor) or hasattr(obj, "__torch_function__") and not isinstance(obj, (list, tuple, dict)):
         if type(obj) is not torch.Tensor:
             return f"output type {type(obj).__module__}.{type(obj).__qualname__} is not torch.Tensor"
-        if obj.layout != torch.strided or obj.is_nested:
+        if not strided(obj):
             return f"output layout {'nested' if obj.is_nested else obj.layout} is not strided"
         if obj.device.type == "meta":
             return "output is a meta tensor"

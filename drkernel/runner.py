@@ -288,7 +288,7 @@ class Runner:
 
     def _commit(self, out) -> dict:
         """Copy the output into the judge's slots; describe what does not fit instead of copying."""
-        if any(t.layout != self.torch.strided or t.is_nested for t in compare.tensors(out)):
+        if not all(map(compare.strided, compare.tensors(out))):
             return {"mismatch": "an output tensor is not strided (sparse or nested): nothing to copy into a slot",
                     "structure": True}
         got = json.loads(json.dumps(compare.structure(out), default=str))
