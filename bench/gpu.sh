@@ -22,7 +22,7 @@
 #   rl_step     one RL step whose responses are replayed candidates, so the trainer's own evaluator
 #               judges 64 real kernels with N runners; time per phase (bench/rl_step.py --policy replay)
 #   cli         the evaluator CLI's wall time for one level-1 evaluation, three times; then where
-#               the time goes (import and CUDA start-up times, one run under cProfile)
+#               the time goes (import and CUDA start-up times, the CLI's slowest imports)
 #   costs       the judge's per-call costs on real sizes (bench/judge_costs.py)
 # After the call each $OUT/<name>.json replaces bench/results/<name>_<card>.json (h200, h100), and its headline
 # numbers go on top of that benchmark's history table in docs/benchmarks.md.
@@ -67,8 +67,10 @@ open('/tmp/ref.py', 'w').write(next(t for t in l('$KB', 1) if t.problem_id == 19
         python -c "import time; t = time.perf_counter(); import torch; a = time.perf_counter(); import triton
 b = time.perf_counter(); torch.zeros(1, device='cuda'); c = time.perf_counter()
 print(f'import torch {a - t:.2f} s, import triton {b - a:.2f} s, CUDA context {c - b:.2f} s')"
-        python -m cProfile -s cumtime -m drkernel.evaluator --reference /tmp/ref.py \
-            --candidate bench/solutions/level1_19_ReLU.py 2>&1 | grep -v "^{" | head -45 ;;
+        # the CLI ends without the interpreter's teardown, so cProfile would never print: the
+        # slowest imports of the CLI's own process instead (microseconds, cumulative)
+        python -X importtime -m drkernel.evaluator --reference /tmp/ref.py \
+            --candidate bench/solutions/level1_19_ReLU.py 2>&1 | grep "^import time" | sort -t'|' -k2 -n | tail -12 ;;
     costs) timeout 60 python bench/judge_costs.py --kernelbench "$KB" --problems 1:19,1:36,2:12 \
         --json "$OUT/judge_costs.json" 2>&1 | tail -8 ;;
     esac
