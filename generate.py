@@ -410,32 +410,36 @@ class Resumed:
     rows: list[dict]
     skipped: list[str] = dataclasses.field(default_factory=list)  # "line N: why" (not JSON, or malformed)
     failed: int = 0  # failure rows: their rounds are generated again
-    unfinished: int = 0  # other rows of incomplete rounds, and superseded duplicates
+    unfinished: int = 0  # other rows of incomplete rounds
+    duplicates: int = 0  # earlier rows of a (task, sample, turn) written again
 
     @property
     def dropped(self) -> int:
-        return len(self.skipped) + self.failed + self.unfinished
+        return len(self.skipped) + self.failed + self.unfinished + self.duplicates
+
+
+def _last_of_each(rows: list[dict]) -> list[dict]:
+    """The rows in file order, each (task, sample, turn) by its last row only."""
+    by_key = {(*_unit(r), r["turn"]): (pos, r) for pos, r in enumerate(rows)}
+    return [r for _, r in sorted(by_key.values(), key=lambda pr: pr[0])]
 
 
 def _complete_rounds(rows: list[dict], plan: list[int]) -> list[dict]:
     """The rows of each (task, sample)'s rounds 0..k-1 where every round has all of its turns
-    and none failed; a duplicate (task, sample, turn) keeps its last row."""
+    and none failed (`rows` hold one row per (task, sample, turn))."""
     offsets = stts.round_offsets(plan)
-    by_key: dict[tuple, tuple[int, dict]] = {}
-    for pos, r in enumerate(rows):
-        by_key[(*_unit(r), r["turn"])] = (pos, r)
     turns: dict[tuple, set] = {}
-    for (key, sample, turn), (_, r) in by_key.items():
-        turns.setdefault((key, sample), set())
+    for r in rows:
+        turns.setdefault(_unit(r), set())
         if not is_failure(r):
-            turns[(key, sample)].add(turn)
+            turns[_unit(r)].add(r["turn"])
     keep_rounds: dict[tuple, int] = {}
     for unit, ts in turns.items():
         k = 0
         while k < len(plan) and all(offsets[k] + t in ts for t in range(plan[k])):
             k += 1
         keep_rounds[unit] = k
-    return [r for _, r in sorted(by_key.values(), key=lambda pr: pr[0]) if r["iteration"] < keep_rounds[_unit(r)]]
+    return [r for r in rows if r["iteration"] < keep_rounds[_unit(r)]]
 
 
 def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str) -> Resumed:
@@ -455,9 +459,10 @@ def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str) -> Resumed:
     rounds = max([cfg.stts_iterations] + [r["iteration"] + 1 for r in good])
     plan = stts.round_turns(cfg.num_turns, cfg.stts_window, rounds, cfg.stts_window_counts)
     _check_rows(path, good, cfg, plan, policy_name)
-    kept = _complete_rounds(good, plan)
-    failed = sum(map(is_failure, good))
-    res = Resumed(kept, skipped, failed, len(good) - len(kept) - failed)
+    latest = _last_of_each(good)
+    kept = _complete_rounds(latest, plan)
+    failed = sum(map(is_failure, latest))
+    res = Resumed(kept, skipped, failed, len(latest) - len(kept) - failed, len(good) - len(latest))
     if res.dropped:
         tmp = path.with_name(path.name + ".tmp")
         tmp.unlink(missing_ok=True)
@@ -479,6 +484,8 @@ def report_resumed(path: Path, res: Resumed) -> None:
     if res.unfinished:
         print(f"{say} dropped {res.unfinished} row(s) of unfinished rounds; they are generated again",
               file=sys.stderr)
+    if res.duplicates:
+        print(f"{say} dropped {res.duplicates} duplicate row(s): the last row of each turn is kept", file=sys.stderr)
     if res.rows:
         print(f"{say} resuming: {len({(*_unit(r), r['iteration']) for r in res.rows})} (task, sample, round) "
               f"unit(s) already done", file=sys.stderr)

@@ -493,6 +493,18 @@ def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, 
     assert foreign.read_text() == '{"a": 1}\n{"b": 2}\n' and len(policy.earlier) == 2
 
 
+def test_resume_keeps_the_last_row_of_a_duplicated_turn_and_says_so(tmp_path, fake_eval, counting_policy, capsys):
+    out, args = _generated(tmp_path, "1", 2)
+    good = _lines(out)
+    again = json.dumps({**json.loads(good[0]), "reward": 0.25})  # the same turn, written again later
+    out.write_text("\n".join([good[0], good[1], again]) + "\n")
+    capsys.readouterr()
+    generate.main(args)
+    err = capsys.readouterr().err
+    assert "dropped 1 duplicate row(s): the last row of each turn is kept" in err and "unfinished" not in err
+    assert len(counting_policy.earlier) == 2 and _lines(out) == [good[1], again]  # nothing generated again
+
+
 def test_resume_regenerates_mistyped_rows_and_names_them(tmp_path, fake_eval, counting_policy, capsys):
     policy = counting_policy
     out, args = _generated(tmp_path, "1,2,3,4,5", 1)
