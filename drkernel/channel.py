@@ -20,6 +20,7 @@ import signal
 import time
 
 from drkernel import ipc, procfs
+from drkernel.sandbox import kill_note, read_output
 
 _CUDA_FAULTS = ("CUDA error", "illegal memory access", "device-side assert")
 
@@ -109,6 +110,9 @@ class Channel:
         if isinstance(exc, ipc.Timeout):
             return Stop("timeout", "the candidate did not answer before the time limit")
         how, st = "exited", procfs.stat(self.pid)
+        why = read_output(kill_note(self.dir, self.pid), 200) if self.dir else ""
+        if why:
+            return Stop("crashed", f"the candidate's process was killed: {why}")
         if st is not None and os.WIFSIGNALED(st.exit_code):
             how = f"was killed by {signal.Signals(os.WTERMSIG(st.exit_code)).name}"
         elif st is not None and os.WIFEXITED(st.exit_code) and st.state == "Z":
@@ -140,13 +144,8 @@ class Channel:
             time.sleep(0.001)
 
     def output(self, name: str, limit: int) -> str:
-        """The head of what the runner printed (`stdout` or `stderr` in its directory)."""
-        try:
-            with open(os.path.join(self.dir, name), "rb") as fh:
-                data = fh.read(4 * limit)
-        except OSError:
-            return ""
-        return short(data.decode("utf-8", "replace"), limit)
+        """What the runner printed (`stdout` or `stderr` in its directory), head and tail."""
+        return read_output(os.path.join(self.dir, name), limit)
 
 
 def _signal_group(pid: int, sig: int) -> bool:

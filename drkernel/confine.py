@@ -6,7 +6,10 @@ Layers, each recorded in a `Confinement` report (the judge copies it to
 - `enter_network_namespace()`, first thing in the runner: a new, empty network namespace, so
   that nothing on this machine's loopback or network can be reached.
 - `restrict(job_dir)`, after CUDA, torch and triton are initialised (Landlock applied before the
-  first CUDA allocation makes `cudaGetDeviceCount` fail with error 304):
+  first CUDA allocation makes `cudaGetDeviceCount` fail with error 304) and the judge's arena is
+  mapped:
+  * a new System V IPC namespace: a shared-memory segment or semaphore the candidate makes dies
+    with the runner's namespace instead of outliving the job, and no other job's can be reached;
   * no new privileges (`PR_SET_NO_NEW_PRIVS`);
   * Landlock: every kind of file-system write (write, truncate, create, remove, rename, link)
     only beneath `job_dir` (plus writing to /dev/null and the GPU's device nodes); no reading of
@@ -37,6 +40,7 @@ import sys
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # same on x86-64 and arm64
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWIPC = 0x08000000
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_CAPBSET_DROP = 24
 _RULE_PATH_BENEATH = 1
@@ -53,6 +57,7 @@ _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1 << 0, 1 << 1
 class Confinement:
     """What confines this process. `complete` when every layer above is active."""
     network_namespace: bool = False
+    ipc_namespace: bool = False
     no_new_privs: bool = False
     landlock_abi: int = 0
     fs_writes_confined: bool = False
@@ -64,7 +69,7 @@ class Confinement:
 
     @property
     def complete(self) -> bool:
-        return (self.network_namespace and self.no_new_privs and self.fs_writes_confined
+        return (self.network_namespace and self.ipc_namespace and self.no_new_privs and self.fs_writes_confined
                 and self.tcp_denied and self.capabilities_dropped and self.own_process_only)
 
     def to_dict(self) -> dict:
@@ -213,6 +218,10 @@ def _drop_capabilities(report: Confinement) -> None:
 def restrict(job_dir: str, report: Confinement, hidden: list[str] | tuple[str, ...] = ()) -> None:
     """No new privileges, Landlock, no capabilities. Irreversible for this process and its children.
     Nothing beneath `hidden` can be read, except `job_dir` and the Python path."""
+    if _libc().unshare(_CLONE_NEWIPC) == 0:
+        report.ipc_namespace = True
+    else:
+        report.errors.append(_errno_text("unshare(CLONE_NEWIPC)"))
     if _libc().prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0:
         report.no_new_privs = True
     else:

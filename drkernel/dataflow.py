@@ -11,6 +11,12 @@ Which parameters a kernel writes through comes from its source text (`drkernel.t
 read by the judge. A torch op that overwrites a whole buffer (`copy_`, `fill_`, an `out=`
 argument) cuts what was written there before.
 
+Where the judge asks (the signed-input trials, on which no op of a KernelBench problem is an
+identity), each launch also says which of its tensor arguments' storages it *changed*, and where
+(`block_sums` before and after it): a store of the values already there (a kernel that "touches"
+an output torch computed) is no write, and a write that misses the output's bytes (a word just
+past the view torch filled) does not make the output need it.
+
 Runner side: `FlowLog` (a TorchDispatchMode) and `Event`s; judge side: `needed_launches`.
 Storages are keyed by their data pointer (views share their base's key); tensors inside the
 judge's arena (the inputs) are keyed by their own start, one key per input.
@@ -25,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from drkernel.compare import tensors
 
+_BLOCK_WORDS = 1024  # 4 KiB blocks of 32-bit words: where a launch changed a storage, to this grain
 MAX_EVENTS = 50000  # a level-3 forward logs a few thousand; past this the log is marked truncated (no evidence)
 
 # in-place ops that overwrite their first argument without reading it
@@ -36,7 +43,9 @@ _OVERWRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "rand
 class Event:
     """One op or launch. `reads`: keys read; `fresh`/`over`: keys whose whole storage it wrote
     (new, or overwritten); `partial`: keys it wrote only in part or after reading them. A launch
-    has `kernel` set and `args` (parameter, key) for its tensor arguments instead."""
+    has `kernel` set and `args` (parameter, key) for its tensor arguments instead, and, where
+    changes were tracked, `changed`: (parameter, first byte, end byte) of each argument whose
+    storage it changed (None: not tracked)."""
     name: str
     reads: list[int] = dataclasses.field(default_factory=list)
     fresh: list[int] = dataclasses.field(default_factory=list)
@@ -44,20 +53,22 @@ class Event:
     partial: list[int] = dataclasses.field(default_factory=list)
     kernel: str | None = None
     args: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    changed: list[tuple[str, int, int]] | None = None
 
     def to_list(self) -> list:
         """The wire form (a log may hold tens of thousands of events)."""
-        return [self.name, self.reads, self.fresh, self.over, self.partial, self.kernel, self.args]
+        return [self.name, self.reads, self.fresh, self.over, self.partial, self.kernel, self.args, self.changed]
 
     @classmethod
     def from_list(cls, item) -> "Event":
         """An event from the runner's untrusted wire form; ValueError when it is malformed."""
-        if not isinstance(item, list) or len(item) != 7:
+        if not isinstance(item, list) or len(item) != 8:
             raise ValueError("malformed data-flow event")
-        name, reads, fresh, over, partial, kernel, args = item
+        name, reads, fresh, over, partial, kernel, args, changed = item
         keys = [_ints(x) for x in (reads, fresh, over, partial)]
         pairs = [(str(p), int(k)) for p, k in args] if isinstance(args, list) else []
-        return cls(str(name), *keys, kernel=str(kernel) if kernel is not None else None, args=pairs)
+        spans = None if changed is None else [(str(p), int(lo), int(hi)) for p, lo, hi in changed]
+        return cls(str(name), *keys, kernel=str(kernel) if kernel is not None else None, args=pairs, changed=spans)
 
 
 def _ints(xs) -> list[int]:
@@ -147,26 +158,90 @@ class FlowLog(TorchDispatchMode):
         ev.fresh = sorted({k for k in (self.keys.key(t) for t in tensors(out)) if k not in known})
         return ev
 
-    def launch(self, kernel: str, args: list[tuple[str, torch.Tensor]]) -> None:
-        self._add(Event(name=kernel, kernel=kernel, args=[(p, self.keys.key(t)) for p, t in args]))
+    def launch(self, kernel: str, args: list[tuple[str, torch.Tensor]],
+               changed: list[tuple[str, int, int]] | None = None) -> None:
+        self._add(Event(name=kernel, kernel=kernel, args=[(p, self.keys.key(t)) for p, t in args], changed=changed))
 
 
-def needed_launches(events: list[Event], output_keys: list[int], stores: dict[str, frozenset[str]]) -> list[bool]:
+def block_sums(t: torch.Tensor) -> torch.Tensor:
+    """A checksum per 4 KiB block of `t`'s whole storage (32-bit words summed in 32 bits; the last
+    entries cover the tail), without copying it: compared before and after a launch, they say
+    whether and where it changed the storage. A write of the values already there changes none."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes(), torch._C.DisableTorchFunction():  # no candidate mode or subclass answers
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (nbytes,), (1,))
+        words = raw[: nbytes // 4 * 4].view(torch.int32)
+        n = words.numel() // _BLOCK_WORDS * _BLOCK_WORDS
+        return torch.cat([words[:n].view(-1, _BLOCK_WORDS).sum(1, dtype=torch.int32),
+                          words[n:].sum(dtype=torch.int32).view(1), raw[nbytes // 4 * 4:].sum(dtype=torch.int32).view(1)])
+
+
+def changed_span(before: torch.Tensor, after: torch.Tensor, nbytes: int) -> tuple[int, int] | None:
+    """(first byte, end byte) of the blocks whose checksums differ, or None."""
+    idx = (before != after).nonzero().flatten().tolist()
+    if not idx:
+        return None
+    block = _BLOCK_WORDS * 4
+    return min(idx[0] * block, nbytes), min((idx[-1] + 1) * block, nbytes)
+
+
+def needed_launches(events: list[Event], output_keys: list[int], stores: dict[str, frozenset[str]],
+                    output_spans: dict[int, tuple[int, int]] | None = None) -> list[bool]:
     """For each launch event in order: whether the output depends on what it wrote. A launch of
-    a kernel not in `stores` (not the candidate's own) may write any argument."""
-    writers: dict[int, set[int]] = {}
+    a kernel not in `stores` (not the candidate's own) may write any argument; one whose changes
+    were tracked wrote only what it changed, and counts for an output it wrote directly only where
+    its changes meet the output's bytes (`output_spans`: key -> first and end byte in its storage).
+    Each storage's writers form a chain (a partial write keeps what the writer before it left), so
+    the replay is linear in the log's length."""
+    last: dict[int, int] = {}  # key -> the event that last wrote it
+    before: dict[tuple[int, int], int] = {}  # (event, key) -> the writer whose content a partial write kept
     deps: list[set[int]] = []
+    spans: dict[tuple[int, int], tuple[int, int]] = {}  # (event, key) -> the bytes a tracked launch changed there
     for i, ev in enumerate(events):
         reads = [k for _, k in ev.args] if ev.kernel is not None else ev.reads
-        deps.append(set().union(*(writers.get(k, set()) for k in reads)))
+        dep = {last[k] for k in reads if k in last}
         for k in ev.fresh + ev.over:
-            writers[k] = {i}
-        written = ev.partial if ev.kernel is None else [k for p, k in ev.args
-                                                          if ev.kernel not in stores or p in stores[ev.kernel]]
-        for k in written:
-            writers[k] = writers.get(k, set()) | {i}
-    needed = _ancestors(deps, set().union(*(writers.get(k, set()) for k in output_keys)))
+            last[k] = i
+        for k in _written(ev, stores, i, spans):
+            if last.get(k, i) != i:
+                before[(i, k)] = last[k]
+                dep.add(last[k])
+            last[k] = i
+        deps.append(dep)
+    start = set()
+    for k in output_keys:
+        node = last.get(k)
+        while node is not None and (node, k) in spans and not _meets(spans[(node, k)], (output_spans or {}).get(k)):
+            node = before.get((node, k))  # its change missed the output: what was there before stands
+        if node is not None:
+            start.add(node)
+    needed = _ancestors(deps, start)
     return [i in needed for i, ev in enumerate(events) if ev.kernel is not None]
+
+
+def _written(ev: Event, stores: dict[str, frozenset[str]], i: int, spans: dict) -> list[int]:
+    """The keys event `i` wrote; a tracked launch's changed byte ranges go into `spans`."""
+    if ev.kernel is None:
+        return ev.partial
+    may = [(p, k) for p, k in ev.args if ev.kernel not in stores or p in stores[ev.kernel]]
+    if ev.changed is None:
+        return [k for _, k in may]
+    keys = dict(ev.args)
+    out = []
+    for p, lo, hi in ev.changed:
+        k = keys.get(p)
+        if k is None:
+            continue
+        old = spans.get((i, k), (lo, hi))
+        spans[(i, k)] = (min(old[0], lo), max(old[1], hi))
+        out.append(k)
+    return out
+
+
+def _meets(a: tuple[int, int], b: tuple[int, int] | None) -> bool:
+    return b is None or (a[0] < b[1] and b[0] < a[1])
 
 
 def _ancestors(deps: list[set[int]], start: set[int]) -> set[int]:

@@ -19,7 +19,7 @@ BASELINES = ("eager", "compile")  # what speedups are measured against (EvalConf
 HACK_CODES = ("no_triton_kernel", "decoy_kernel", "output_cached", "output_aliases_input", "side_stream",
               "patched_function", "global_state_changed", "reference_access", "input_mutated",
               "bad_output_type", "degenerate_output", "precision_downgrade", "implausible_speedup",
-              "thread_spawned", "reference_slowed", "forged_reply")
+              "thread_spawned", "reference_slowed", "forged_reply", "launch_pattern_changed")
 
 
 @dataclasses.dataclass

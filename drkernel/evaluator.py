@@ -98,7 +98,7 @@ def _static_checks(cand_code: str, cfg: EvalConfig) -> EvalResult | None:
     Triton is required) define a `@triton.jit` kernel."""
     import ast
 
-    from drkernel.triton_source import jit_kernels
+    from drkernel.triton_source import jit_kernels, python_calls
     try:
         tree = ast.parse(cand_code)
     except SyntaxError as exc:
@@ -110,6 +110,10 @@ def _static_checks(cand_code: str, cfg: EvalConfig) -> EvalResult | None:
     if cfg.require_triton and not jit_kernels(cand_code):
         return EvalResult(verdict="hacked", compiled=True, hacks=["no_triton_kernel"],
                           error="no_triton_kernel: the candidate's source defines no @triton.jit kernel")
+    calls = python_calls(cand_code)
+    if calls:
+        return EvalResult(verdict="compile_error", error=f"a @triton.jit kernel calls Python that Triton cannot "
+                                                         f"compile: {'; '.join(calls[:4])}")
     return None
 
 

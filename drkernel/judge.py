@@ -57,7 +57,7 @@ import time
 import traceback
 from typing import Any
 
-from drkernel import compare, dataflow, ipc, procfs, profiling, triton_source
+from drkernel import compare, dataflow, ipc, launch_pattern, procfs, profiling, triton_source
 from drkernel.channel import Channel, Hacked, Stop, exception_text, runner_error, short
 from drkernel.evaltypes import HACK_CODES, EvalConfig, EvalResult, config_from_dict
 
@@ -153,6 +153,8 @@ class Judge:
     kernels: dict[str, triton_source.Kernel] = dataclasses.field(default_factory=dict)  # from the source
     launched: set = dataclasses.field(default_factory=set)  # the candidate's kernels seen launching
     flow: Flow = dataclasses.field(default_factory=Flow)
+    patterns: launch_pattern.Patterns = dataclasses.field(default_factory=launch_pattern.Patterns)
+    last_launches: dict[str, int] = dataclasses.field(default_factory=dict)  # the last call's, per kernel
     honest_extra: float = 0.0  # the judge's clock over the reference's own time, per ms (`_honest_extra`)
     sched: dict = dataclasses.field(default_factory=dict)  # pid -> `_sched_of`, before any candidate code
 
@@ -325,7 +327,8 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
         r.flush.fill_(float(seed % 7))
     _sync(r.device)
     t0 = _perf()
-    reply = channel.ask({"op": "call", "mode": mode, "seed": seed})
+    # on signed inputs a checked call also says where each launch changed its arguments (`dataflow`)
+    reply = channel.ask({"op": "call", "mode": mode, "seed": seed, "changes": signed and mode == "check"})
     t1 = _perf()
     if "error" in reply:
         raise runner_error(reply, "forward raised")
@@ -346,10 +349,26 @@ def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False, keep: b
     j.spend("candidate", t)
     _split_call(j, c)
     t = _perf()
+    if mode != "noop":  # launches over empty grids leave garbage that an honest forward may branch on
+        _launch_pattern(j, mode)
     _check_processes(j, f"a {mode} call")
     _check_scheduling(j, before)
     j.spend("process_checks", t)
     return c
+
+
+def _launch_pattern(j: Judge, mode: str) -> None:
+    """The call's launch pattern, asked for after its reply: a checked call's is learnt, any other
+    call's must be one of them (`drkernel.launch_pattern`)."""
+    sig = j.runner.ask({"op": "pattern"}).get("pattern")
+    try:
+        allowed = j.patterns.learn(sig) if mode == "check" else j.patterns.allows(sig)
+        j.last_launches = launch_pattern.kernel_counts(sig)
+    except ValueError as exc:
+        j.hack("forged_reply", f"a {mode} call: {exc}")
+    if not allowed:
+        j.hack("launch_pattern_changed", f"a {mode} call launched the candidate's kernels otherwise than the "
+                                         f"checked calls did: {short(str(sig), 300)}")
 
 
 def _split_call(j: Judge, c: Call) -> None:
@@ -713,6 +732,7 @@ def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str], launches: Any)
     try:
         events = [dataflow.Event.from_list(e) for e in flow["events"]]
         outputs = [int(k) for k in flow["outputs"]]
+        spans = {int(k): (int(lo), int(hi)) for k, lo, hi in flow["output_spans"]}
         truncated = bool(flow["truncated"])
     except (TypeError, KeyError, ValueError):
         j.hack("forged_reply", f"trial {ti}: a malformed data-flow log")
@@ -724,7 +744,7 @@ def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str], launches: Any)
         j.hack("forged_reply", f"trial {ti}: the launch record ({sorted(reported)}, {launches} launches) and the "
                                f"data-flow log ({len(logged)}) disagree on the candidate's launches")
     stores = {name: k.stores for name, k in j.kernels.items()}
-    needed = dataflow.needed_launches(events, outputs, stores)
+    needed = dataflow.needed_launches(events, outputs, stores, spans)
     launches = [e for e in events if e.kernel is not None]
     mine = [(e.kernel, n) for e, n in zip(launches, needed) if e.kernel in stores]
     for name, n in mine:
@@ -1190,7 +1210,23 @@ def _profiled_call(j: Judge, i: int) -> tuple[list[tuple[str, int, float]], floa
     sizes one more such pair is what a GPU lacks)."""
     c = call_candidate(j, fresh_seed(), "profile", keep=True)
     verify(j, c, f"profiled call {i}")
-    return _profile_rows(c.reply), c.wall_ms
+    rows = _profile_rows(c.reply)
+    _launches_ran(j, rows, i)
+    return rows, c.wall_ms
+
+
+def _launches_ran(j: Judge, rows: list[tuple[str, int, float]], i: int) -> None:
+    """The launch record of a profiled call against the device's own trace of it: a launch of the
+    candidate's kernels that the device never ran was recorded by candidate code, not by Triton."""
+    if not rows:
+        return
+    ran: dict[str, int] = {}
+    for name, calls, _ in rows:
+        ran[name.strip()] = ran.get(name.strip(), 0) + calls
+    for name, n in j.last_launches.items():
+        if name in j.kernels and ran.get(name, 0) < n:
+            j.hack("forged_reply", f"profiled call {i}: {n} launch(es) of {name} recorded, {ran.get(name, 0)} ran "
+                                   "on the device")
 
 
 def _profile_doubt(j: Judge, summary: dict, rows: list[tuple[str, int, float]], wall_ms: float) -> str | None:

@@ -179,6 +179,7 @@ HACK_HINTS = {  # codes as reported by drkernel.evaluator (HACK_CODES)
     "precision_downgrade": "keep the reference's precision; do not compute in a lower dtype",
     "implausible_speedup": "the timing is implausible; do not skip or defer the computation",
     "thread_spawned": "do not start threads or processes",
+    "launch_pattern_changed": "launch the same kernels the same way on every call; do not switch paths between calls",
 }
 _VERDICT_TEXT = {
     "correct": "correct",

@@ -4,7 +4,7 @@ Started by the sandbox's zygote next to the judge (`drkernel.judge`), it talks t
 one socket and sees the judge's arena (inputs and output slots, `drkernel.ipc`). In order:
 
 1. a fresh network namespace; Triton's cache, TMPDIR and HOME beneath its own job directory;
-2. `init`: CUDA initialised, the reference file imported for `get_init_inputs` only;
+2. `init`: CUDA initialised, the reference file imported for `get_init_inputs` only (then dropped);
 3. `attach`: the arena mapped, then the process confined (`drkernel.confine`), the launch hook
    installed and the integrity snapshot taken; `null` calls (a trusted stand-in forward) let the
    judge calibrate its clock against this process before any candidate code exists;
@@ -23,6 +23,7 @@ process between requests (docs/security.md).
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.util
 import inspect
 import json
@@ -33,10 +34,20 @@ import time
 import traceback
 from typing import Any
 
-from drkernel import channel, compare, confine, dataflow, integrity, ipc, profiling
+from drkernel import channel, compare, confine, dataflow, integrity, ipc, launch_pattern, profiling
 from drkernel.channel import evidence_digest
 
 _perf = time.perf_counter  # bound before any candidate code exists
+
+
+def _caller_code():
+    """The code object of the function that called the caller."""
+    return sys._getframe(2).f_code
+
+
+def _hook_code(wrap) -> Any:
+    """The code of the hook `LaunchRecorder._wrap` installs (a constant of its own code)."""
+    return next(c for c in wrap.__code__.co_consts if getattr(c, "co_name", "") == "run")
 
 
 def concrete_grid(grid, bound: dict) -> tuple[int, ...]:
@@ -55,15 +66,17 @@ class LaunchRecorder:
 
     def __init__(self, candidate_file: str):
         self.candidate_file = os.path.realpath(candidate_file)
-        self.names: list[str] = []
+        self.launches: list[tuple[str, tuple, dict]] = []  # (kernel, grid, arguments by parameter)
         self.alive: list[Any] = []  # launched tensors stay alive until the call ends (allocator reuse)
         self.noop = False
+        self.track_changes = False  # where a launch changed its arguments (`dataflow.block_sums`)
         self.flow: dataflow.FlowLog | None = None
         self.expected_stream: Any = None
         self.off_stream: set[str] = set()
         self._mine: dict[Any, bool] = {}
         self._signatures: dict[Any, inspect.Signature] = {}
         self.installed: dict[str, tuple[Any, str]] = {}
+        self.originals: tuple = ()  # Triton's own `run`s, the only launchers `_launch` accepts
 
     def install(self) -> dict[str, tuple[Any, str]]:
         owners = []
@@ -76,6 +89,7 @@ class LaunchRecorder:
             orig = owner.__dict__.get("run")
             if orig is not None:
                 owner.run = self._wrap(orig)
+                self.originals += (orig,)
                 self.installed[f"{owner.__module__}.{owner.__name__}.run (launch hook)"] = (owner, "run")
         return self.installed
 
@@ -92,19 +106,37 @@ class LaunchRecorder:
         return run
 
     def _launch(self, orig, kernel, args: tuple, kwargs: dict, grid):
+        # entered from the hook only, with Triton's own launcher: candidate code that reaches this
+        # recorder cannot record a launch that does not run
+        if _caller_code() is not _hook_code(self._wrap) or not any(orig is o for o in self.originals):
+            raise RuntimeError("the launch recorder is entered through Triton's launch only")
         bound = self._bind(kernel, args, kwargs)
         grid = concrete_grid(grid, bound)
         real = bool(grid) and all(g > 0 for g in grid)
         if self.flow is not None:
-            self.flow.paused += 1  # Triton's interpreter moves its arguments with torch ops
+            self.flow.paused += 1  # Triton's interpreter moves its arguments (and checksums run) with torch ops
         try:
+            before = self._sums(bound) if real and self.track_changes else None
             ret = orig(kernel, *args, grid=grid if not self.noop else (0,) * len(grid), warmup=False, **kwargs)
+            changed = self._changes(before) if before is not None else None
         finally:
             if self.flow is not None:
                 self.flow.paused -= 1
         if real:
-            self._record(kernel, bound)
+            self._record(kernel, bound, grid, changed)
         return ret
+
+    @staticmethod
+    def _sums(bound: dict) -> list:
+        import torch
+        return [(p, v, dataflow.block_sums(v)) for p, v in bound.items() if isinstance(v, torch.Tensor)]
+
+    @staticmethod
+    def _changes(before: list) -> list[tuple[str, int, int]]:
+        """(parameter, first byte, end byte) where the launch changed its argument's storage."""
+        spans = ((p, dataflow.changed_span(sums, dataflow.block_sums(t), t.untyped_storage().nbytes()))
+                 for p, t, sums in before)
+        return [(p, *span) for p, span in spans if span is not None]
 
     def _is_mine(self, kernel) -> bool:
         code = getattr(getattr(kernel, "fn", None), "__code__", None)
@@ -122,24 +154,27 @@ class LaunchRecorder:
         bound.apply_defaults()
         return dict(bound.arguments)
 
-    def _record(self, kernel, bound: dict) -> None:
+    def _record(self, kernel, bound: dict, grid: tuple, changed: list | None) -> None:
         import torch
+        if _caller_code() is not LaunchRecorder._launch.__code__:
+            raise RuntimeError("launches are recorded by the launch hook only")
         name = kernel.fn.__name__
         if self.expected_stream is not None and torch.cuda.current_stream() != self.expected_stream:
             self.off_stream.add(name)
         ts = [(p, v) for p, v in bound.items() if isinstance(v, torch.Tensor)]
         self.alive.extend(t for _, t in ts)
-        self.names.append(name)
+        self.launches.append((name, tuple(grid), bound))
         if self.flow is not None:
-            self.flow.launch(name, ts)
+            self.flow.launch(name, ts, changed)
 
-    def begin(self, noop: bool = False, flow: dataflow.FlowLog | None = None) -> None:
-        self.names, self.alive, self.noop, self.flow = [], [], noop, flow
+    def begin(self, noop: bool = False, flow: dataflow.FlowLog | None = None, track_changes: bool = False) -> None:
+        self.launches, self.alive, self.noop, self.flow = [], [], noop, flow
+        self.track_changes = flow is not None and track_changes
 
-    def end(self) -> list[str]:
-        names = self.names
-        self.names, self.alive, self.noop, self.flow = [], [], False, None
-        return names
+    def end(self) -> list[tuple[str, tuple, dict]]:
+        launches = self.launches
+        self.launches, self.alive, self.noop, self.flow, self.track_changes = [], [], False, None, False
+        return launches
 
 
 class Runner:
@@ -150,7 +185,7 @@ class Runner:
         self.torch: Any = None
         self.device: Any = None
         self.seed = 0
-        self.ref_mod: Any = None
+        self.init_args: list = []
         self.recorder: LaunchRecorder | None = None
         self.candidate = ""
         self.keys: dataflow.Keys | None = None
@@ -165,6 +200,7 @@ class Runner:
         self.prev_out: list = []  # the last checked call's output storages (`_kept_storages`)
         self.generators: list = []  # torch's default generators, bound before any candidate code
         self.null: _NullForward | None = None  # the calibration's stand-in, made once (its copy is no call's cost)
+        self.last_launches: tuple[list, list[int]] = ([], [])  # the last call's launches and output keys
 
     # ---- setup --------------------------------------------------------------------------
 
@@ -180,7 +216,7 @@ class Runner:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
-        self.ref_mod = import_file(msg["reference"], "_drk_runner_reference")
+        self.init_args = _reference_init_args(msg["reference"], self.seed)
         self.recorder = LaunchRecorder(msg["candidate"])
         self.candidate = msg["candidate"]
         return {"ok": True}
@@ -223,7 +259,7 @@ class Runner:
             findings = self.integrity("after import")
         try:
             with torch.no_grad():
-                self.model = build_model(cls, init_inputs(self.ref_mod, self.seed), self.seed, self.device)
+                self.model = build_model(cls, self.init_args, self.seed, self.device)
                 findings += self.integrity("after construction")
         except BaseException as exc:  # noqa: BLE001
             return {"error": _describe(exc), "stage": "construct", "findings": findings}
@@ -243,7 +279,8 @@ class Runner:
         flow = dataflow.FlowLog(self.keys) if mode in ("check", "noop") else None
         for g in self.generators:  # as the judge seeds the reference's forward; `torch.manual_seed`
             g.manual_seed(int(msg["seed"]))  # would also call backends a candidate can register
-        self.recorder.begin(noop=mode == "noop", flow=flow)
+        self.recorder.begin(noop=mode == "noop", flow=flow, track_changes=bool(msg.get("changes")))
+        self.last_launches = ([], [])
         rows = None
         t0 = _perf()
         try:
@@ -258,8 +295,10 @@ class Runner:
         except BaseException as exc:  # noqa: BLE001
             self.recorder.end()
             return {"error": _describe(exc)}
-        names = self.recorder.end()
-        reply = {"ms": ms, "launches": len(names), "kernels": sorted(set(names)), **self._commit(out)}
+        launches = self.recorder.end()
+        self.last_launches = (launches, [self.keys.key(t) for t in compare.tensors(out)])
+        reply = {"ms": ms, "launches": len(launches), "kernels": sorted({name for name, _, _ in launches}),
+                 **self._commit(out)}
         if rows is not None:
             reply["profile"] = {"rows": rows}
         if self.device.type == "cuda":
@@ -272,6 +311,14 @@ class Runner:
         # where this process's time went (diagnostics for `split_s`, never evidence)
         reply["spent_ms"] = {"forward": (t1 - t0) * 1e3, "after": (_perf() - t1) * 1e3}
         return reply
+
+    def pattern(self, msg: dict) -> dict:
+        """The last call's launch pattern, asked for after its reply (describing it inside the call
+        would add to the time the judge's clock sees)."""
+        launches, output_keys = self.last_launches
+        self.last_launches = ([], [])
+        input_keys = [self.keys.key(t) for t in compare.tensors(self.inputs)]
+        return {"pattern": launch_pattern.describe(launches, self.keys.key, input_keys, output_keys)}
 
     def _timed(self, forward, flow: dataflow.FlowLog | None) -> tuple[float, Any]:
         torch = self.torch
@@ -321,7 +368,8 @@ class Runner:
                 "reuses_previous_output": compare.overlap(compare.ranges(outs), prev),
                 "off_stream": sorted(self.recorder.off_stream),
                 "flow": {"events": [e.to_list() for e in flow.events], "truncated": flow.truncated,
-                         "outputs": [self.keys.key(t) for t in outs]}}
+                         "outputs": [self.keys.key(t) for t in outs],
+                         "output_spans": [[self.keys.key(t), *_byte_span(t)] for t in outs]}}
 
     def integrity(self, where: str) -> list[list[str]]:
         """The snapshot compared with now; callers are inside no_grad, as the snapshot was."""
@@ -346,7 +394,7 @@ class Runner:
     def handle(self, msg: dict) -> dict:
         op = msg.get("op")
         handler = {"init": self.init, "attach": self.attach, "load": self.load, "call": self.call,
-                   "final": self.final}.get(op)
+                   "pattern": self.pattern, "final": self.final}.get(op)
         return handler(msg) if handler is not None else {"error": f"unknown op {op!r}"}
 
     def describe(self) -> str:
@@ -365,7 +413,7 @@ class Runner:
 # the launch names or the data-flow log is replaced as it should be)
 _RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "structure", "snapshot", "watched",
                  "threads0", "generators", "job_dir", "candidate", "report")
-_RECORDER_FIXED = ("candidate_file", "_mine", "_signatures", "installed", "expected_stream")
+_RECORDER_FIXED = ("candidate_file", "_mine", "_signatures", "installed", "expected_stream", "originals")
 
 
 def _describe_objects(objects: dict[str, tuple[Any, tuple[str, ...]]]) -> str:
@@ -375,6 +423,14 @@ def _describe_objects(objects: dict[str, tuple[Any, tuple[str, ...]]]) -> str:
         attrs = vars(obj)
         parts.append(f"{label}:{id(type(obj))}:{sorted(attrs)}:{[id(attrs.get(k)) for k in fixed]}")
     return "\n".join(parts)
+
+
+def _byte_span(t) -> tuple[int, int]:
+    """(first byte, end byte) of what tensor `t` covers in its storage."""
+    first = t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return first, first
+    return first, first + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _forget_harness_modules() -> None:
@@ -395,7 +451,7 @@ def _evidence_machinery() -> dict[str, tuple[Any, str]]:
     """(owner, attribute) of every function and class the evidence depends on: this module's,
     the data-flow log's, the integrity checks', the profiler summary's and the comparisons'."""
     out: dict[str, tuple[Any, str]] = {}
-    for mod in (sys.modules[__name__], channel, compare, ipc, integrity, dataflow, profiling, confine):
+    for mod in (sys.modules[__name__], channel, compare, ipc, integrity, dataflow, launch_pattern, profiling, confine):
         for k, v in vars(mod).items():
             if callable(v) and not k.startswith("__"):
                 out[f"{mod.__name__}.{k}"] = (mod, k)
@@ -442,6 +498,17 @@ def import_file(path: str, name: str):
     sys.modules[name] = mod  # dataclasses and Triton's source lookup need the module registered
     spec.loader.exec_module(mod)
     return mod
+
+
+def _reference_init_args(path: str, seed: int) -> list:
+    """The reference's `get_init_inputs()` under `seed`; the module is not kept (candidate code
+    finds no reference model in this process, by import or otherwise)."""
+    name = "_drk_runner_reference"
+    try:
+        return init_inputs(import_file(path, name), seed)
+    finally:
+        sys.modules.pop(name, None)
+        gc.collect()  # the module's classes sit in reference cycles
 
 
 def init_inputs(ref_mod, seed: int) -> list:

@@ -41,6 +41,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,7 @@ Target = Union[str, Callable[..., Any]]  # what a job runs: a module-level funct
 DEFAULT_PRELOAD = ("torch", "triton")  # what a zygote imports once, before it forks any job
 _PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _POLL_S = 0.05
+_DISK_CHECK_S = 0.5  # how often the runners' directories are measured
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -76,6 +78,7 @@ class SandboxLimits:
     cpu_time_s: float | None = None  # None: 2 x timeout, at least 10 s
     max_rss_mb: int = 32768
     max_file_mb: int = 1024
+    max_disk_mb: int = 16384  # all files under one runner's directory (its Triton cache included)
     max_open_files: int = 1024
     max_procs: int = 64
     max_threads: int = 1024  # over all the job's processes (torch starts one per core in each)
@@ -332,16 +335,25 @@ def _call_target(job: dict) -> tuple[int, dict | None]:
 # The zygote
 # ======================================================================================
 
-def _read_output(path: str, max_chars: int) -> str:
-    """Head + tail of a captured stream, with a marker saying how much was dropped."""
+def read_output(path: str, max_chars: int) -> str:
+    """Head + tail of a captured stream, with a marker saying how much was dropped. The file lies
+    where candidate code can replace it: anything but a plain file of one link (a FIFO would block
+    the reader, a symlink or hard link would read another file into the result) reads as empty."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as fh:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                return ""
+            size = st.st_size
             if size <= max_chars:
-                return fh.read().decode("utf-8", "replace")
+                return fh.read(max_chars).decode("utf-8", "replace")
             head = fh.read(max_chars // 2)
             fh.seek(size - (max_chars - max_chars // 2))
-            tail = fh.read()
+            tail = fh.read(max_chars)
     except OSError:
         return ""
     dropped = size - len(head) - len(tail)
@@ -349,29 +361,35 @@ def _read_output(path: str, max_chars: int) -> str:
             + tail.decode("utf-8", "replace"))
 
 
-def _supervise(pid: int, lim: SandboxLimits, t0: float) -> tuple[int, str | None, float]:
-    """Wait for the child while policing time, memory and process count.
-    Returns (wait status, kill reason or None, peak RSS in MB)."""
+def _supervise(pid: int, lim: SandboxLimits, t0: float, workdir: str,
+               runners: list[tuple[str, int]]) -> tuple[int, str | None, float]:
+    """Wait for the child while policing time, memory, disk and process count. Over the memory
+    limit, a runner's process group that holds more than the child's own is killed alone (the
+    child goes on with the job's other runners); otherwise the whole job. A runner whose directory
+    outgrows `max_disk_mb` is killed alone. Returns (wait status, kill reason or None, peak RSS in MB)."""
     root = os.getpid()
     parent = os.getppid()
     pidfd = None
     with contextlib.suppress(Exception):
         pidfd = os.pidfd_open(pid)
     deadline = t0 + lim.timeout_s
-    reason, peak, wait = None, 0.0, 0.002
+    reason, peak, wait, disk_checked = None, 0.0, 0.002, 0.0
     try:
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done == pid:
                 return status, reason, peak
             if reason is None:
-                live = [st for st in _job_processes(root, pid).values() if st.state != "Z"]
+                live = [st for st in _job_processes(root, pid).values() if st.state not in ("Z", "X")]
                 rss_mb = sum(st.rss_bytes for st in live) / 2**20
                 peak = max(peak, rss_mb)
                 if time.monotonic() > deadline:
                     reason = "timeout"
-                elif rss_mb > lim.max_rss_mb:
+                elif rss_mb > lim.max_rss_mb and not _kill_hungriest_runner(live, pid, workdir):
                     reason = "oom"
+                if time.monotonic() - disk_checked > _DISK_CHECK_S:
+                    disk_checked = time.monotonic()
+                    _kill_runners_over_disk(runners, lim.max_disk_mb)
                 elif len(live) > lim.max_procs:
                     reason = "procs"
                 elif sum(st.threads for st in live) > lim.max_threads:
@@ -388,6 +406,55 @@ def _supervise(pid: int, lim: SandboxLimits, t0: float) -> tuple[int, str | None
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+def kill_note(runner_dir: str, runner_pid: int) -> str:
+    """The file the supervisor leaves in the job's directory (out of every runner's reach) saying
+    why it killed that runner alone."""
+    return os.path.join(os.path.dirname(runner_dir), f"killed_{runner_pid}")
+
+
+def _kill_runner(runner_dir: str, group: int, why: str) -> None:
+    with contextlib.suppress(OSError), open(kill_note(runner_dir, group), "w") as fh:
+        fh.write(why)
+    with contextlib.suppress(OSError):
+        os.killpg(group, signal.SIGKILL)
+
+
+def _kill_runners_over_disk(runners: list[tuple[str, int]], limit_mb: int) -> None:
+    for runner_dir, runner_pid in runners:
+        if not os.path.exists(kill_note(runner_dir, runner_pid)) and _disk_mb(runner_dir) > limit_mb:
+            _kill_runner(runner_dir, runner_pid, f"it wrote more than {limit_mb} MB of files")
+
+
+def _disk_mb(top: str, max_entries: int = 20000) -> float:
+    """MB of disk under `top` (allocated blocks, so a sparse or preallocated file counts as it
+    is); a tree of more than `max_entries` files counts as over any limit."""
+    total, seen, todo = 0, 0, [top]
+    while todo:
+        with contextlib.suppress(OSError), os.scandir(todo.pop()) as it:
+            for entry in it:
+                seen += 1
+                if seen > max_entries:
+                    return float("inf")
+                st = entry.stat(follow_symlinks=False)
+                total += st.st_blocks * 512
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(entry.path)
+    return total / 2**20
+
+
+def _kill_hungriest_runner(live: list[procfs.Stat], child_pgid: int, workdir: str) -> bool:
+    """Kill the process group of the runner holding the most memory, if it holds more than the
+    child's own group; False when the child's own memory is the problem."""
+    by_group: dict[int, int] = {}
+    for st in live:
+        by_group[st.pgrp] = by_group.get(st.pgrp, 0) + st.rss_bytes
+    group = max((g for g in by_group if g != child_pgid), key=by_group.get, default=None)
+    if group is None or by_group[group] <= by_group.get(child_pgid, 0):
+        return False
+    _kill_runner(os.path.join(workdir, "runner"), group, "it used more memory than the job allows")
+    return True
 
 
 def _classify(status: int, reason: str | None, result_path: str, lim: SandboxLimits) -> dict:
@@ -494,14 +561,16 @@ def _zygote_job(job: dict, pipe_fds: tuple[int, int]) -> dict:
         sock.close()
     try:
         _send(pipe_fds[1], {"op": "started", "pid": pid, "workdir": workdir})
-        status, reason, peak = _supervise(pid, lim, t0)
+        kw = job.get("kwargs") or {}
+        status, reason, peak = _supervise(pid, lim, t0, workdir, list(zip(kw.get("runner_dirs", []),
+                                                                           kw.get("runner_pids", []))))
         wall = time.monotonic() - t0
         _kill_job(os.getpid(), pid)  # leftovers: grandchildren, daemons
         res = _classify(status, reason, result_path, lim)
         res["wall_s"] = wall
         res["peak_rss_mb"] = round(peak, 1)
-        res["stdout"] = _read_output(os.path.join(workdir, "stdout"), lim.max_output_chars)
-        res["stderr"] = _read_output(os.path.join(workdir, "stderr"), lim.max_output_chars)
+        res["stdout"] = read_output(os.path.join(workdir, "stdout"), lim.max_output_chars)
+        res["stderr"] = read_output(os.path.join(workdir, "stderr"), lim.max_output_chars)
         return res
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

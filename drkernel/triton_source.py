@@ -38,6 +38,43 @@ def jit_kernels(source: str) -> dict[str, Kernel]:
     return {n: _kernel(defs[n], tl_names) for n in sorted(names)}
 
 
+def python_calls(source: str) -> list[str]:
+    """Calls inside `jit` kernels to the file's own Python: a plain function or a module-level
+    object (not a kernel, not decorated from Triton), or torch. A GPU compile refuses them; Triton's
+    interpreter runs them as Python, unseen by the data-flow log, which is paused inside a launch."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    kernels = set(jit_kernels(source))
+    body = tree.body if isinstance(tree, ast.Module) else []
+    python = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+              and n.name not in kernels and not _triton_decorated(n, _triton_aliases(tree))}
+    python |= {name for n in body if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) for name in _names(t)}
+    python = (python - kernels) | {"torch"}
+    defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in kernels]
+    found = []
+    for fn in defs:
+        local = _names_bound(fn)
+        for call in (c for c in ast.walk(fn) if isinstance(c, ast.Call)):
+            name = dotted(call.func)
+            if name and name.split(".")[0] in python - local and f"{fn.name} calls {name}" not in found:
+                found.append(f"{fn.name} calls {name}")
+    return found
+
+
+def _triton_decorated(node: ast.AST, tl_names: set[str]) -> bool:
+    return any(dotted(d.func if isinstance(d, ast.Call) else d).split(".")[0] in tl_names
+               for d in getattr(node, "decorator_list", []))
+
+
+def _names_bound(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The kernel's parameters and the names it assigns."""
+    params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+    return params | set(_aliases(fn))
+
+
 def dotted(node: ast.AST) -> str:
     """`a.b.c` of an attribute chain (empty when it does not start with a name)."""
     parts = []

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import struct
+import textwrap
 import time
 from pathlib import Path
 
@@ -172,6 +173,88 @@ def test_a_gpu_that_stays_busy_is_reported_and_the_job_rerun_alone(monkeypatch):
     assert "busy" in rerun_alone([_Run(result, 0.0, 1.0)])[0]
 
 
+# ---- the candidate's process holds no reference model --------------------------------------
+
+def test_the_runner_keeps_no_reference_module():
+    from tests.test_evaluator import LEGIT_RELU
+    look = """
+    import sys as _s
+    _mods = [m for m in list(_s.modules.values()) if str(getattr(m, "__file__", "")).endswith("reference.py")]
+    try:
+        import _drk_runner_reference
+        _mods.append(_drk_runner_reference)
+    except ImportError:
+        pass
+    if _mods:
+        raise RuntimeError(f"found the reference: {_mods}")
+    """
+    cand = LEGIT_RELU.replace("class ModelNew(nn.Module):", textwrap.dedent(look) + "\n\nclass ModelNew(nn.Module):")
+    with Evaluator(cfg()) as ev:
+        r = ev.evaluate(str(TASKS / "1_ReLU.py"), cand)
+    assert r.verdict == "correct", (r.verdict, r.error)
+
+
+# ---- what the runner leaves in its directory is read as data only -------------------------
+
+def test_a_fifo_or_symlink_in_place_of_the_captured_output_is_read_as_nothing(tmp_path):
+    """Both the pre-flight import and the runner replace their captured stdout by a FIFO (a reader
+    that opens it blocks) and stderr by a symlink to a file the judge may read and they may not."""
+    from tests.test_evaluator import LEGIT_RELU
+    secret = tmp_path / "secret.txt"
+    secret.write_text("drk-secret-0451")
+    swap = f"""
+    import os as _os
+    _d = _os.path.dirname(_os.environ["TMPDIR"])
+    for _name in ("stdout", "stderr"):
+        try:
+            _os.unlink(_os.path.join(_d, _name))
+        except OSError:
+            pass
+    _os.mkfifo(_os.path.join(_d, "stdout"))
+    _os.symlink({str(secret)!r}, _os.path.join(_d, "stderr"))
+    """
+    cand = LEGIT_RELU.replace("class ModelNew(nn.Module):", textwrap.dedent(swap) + "\n\nclass ModelNew(nn.Module):")
+    t0 = time.monotonic()
+    with Evaluator(cfg(timeout=60.0)) as ev:
+        r = ev.evaluate(str(TASKS / "1_ReLU.py"), cand)
+    assert r.verdict == "correct", (r.verdict, r.error)
+    assert time.monotonic() - t0 < 45 and "drk-secret" not in (r.stdout or "") + (r.stderr or "")
+
+
+def test_a_shared_memory_segment_made_by_the_candidate_does_not_outlive_its_job():
+    """System V shared memory is not a file, so no job directory holds it: the runner (and the
+    pre-flight import) get IPC namespaces of their own, which die with them."""
+    import ctypes
+    key = 0x5EED0000 + os.getpid() % 0xFFFF
+    make = f"""
+    import sys as _s
+    _ct = _s.modules.get("".join(map(chr, (99, 116, 121, 112, 101, 115))))
+    _libc = _ct.CDLL(None, use_errno=True)
+    _sid = _libc.shmget({key}, 1 << 20, 0o1000 | 0o600)
+    print("segment", _sid)
+    """
+    from tests.test_evaluator import LEGIT_RELU
+    cand = LEGIT_RELU.replace("class ModelNew(nn.Module):", textwrap.dedent(make) + "\n\nclass ModelNew(nn.Module):")
+    with Evaluator(cfg()) as ev:
+        r = ev.evaluate(str(TASKS / "1_ReLU.py"), cand)
+    libc = ctypes.CDLL(None, use_errno=True)
+    left = libc.shmget(key, 0, 0)
+    if left >= 0:
+        libc.shmctl(left, 0, None)  # IPC_RMID: leave this machine as it was
+    assert r.verdict == "correct" and "segment" in r.stdout, (r.verdict, r.error, r.stdout)
+    assert left < 0, "the candidate's segment outlived its job"
+
+
+def test_a_candidate_over_the_memory_limit_is_killed_alone_and_its_group_goes_on():
+    from tests.test_evaluator import LEGIT_RELU, relu_candidate
+    hog = relu_candidate("self.hold = torch.ones(800_000_000)  # 3.2 GB, every page touched\nreturn launch(x)")
+    ref = str(TASKS / "1_ReLU.py")
+    with Evaluator(cfg(max_rss_mb=3000)) as ev:
+        results = ev.evaluate_many([(ref, LEGIT_RELU), (ref, hog), (ref, LEGIT_RELU)])
+    assert [r.verdict for r in results] == ["correct", "crashed", "correct"], [(r.verdict, r.error) for r in results]
+    assert "killed: it used more memory than the job allows" in results[1].error
+
+
 # ---- the lock and memory files and other jobs' files are out of reach --------------------------
 
 def test_a_runner_can_neither_take_a_gpu_lock_nor_list_other_jobs(monkeypatch):
@@ -228,14 +311,16 @@ def test_a_data_flow_log_cut_short_is_no_evidence():
     """A launch that wrote only a scratch buffer (key 5) while torch wrote the output (key 9): a
     log marked truncated must not spare the candidate the replay's verdict."""
     log = {"events": [judge.dataflow.Event("scratch_kernel", kernel="scratch_kernel", args=[("out_ptr", 5)]).to_list(),
-                      judge.dataflow.Event("relu", reads=[1], fresh=[9]).to_list()], "outputs": [9]}
+                      judge.dataflow.Event("relu", reads=[1], fresh=[9]).to_list()], "outputs": [9],
+           "output_spans": []}
     with pytest.raises(Hacked) as err:
         judge._judge_flow(_flow_judge(), 0, {**log, "truncated": True}, {"scratch_kernel"}, 1)
     assert err.value.code == "decoy_kernel" and "cannot be told" in err.value.detail
 
 
 def test_the_launch_record_must_match_the_data_flow_log():
-    log = {"events": [judge.dataflow.Event("relu", reads=[1], fresh=[9]).to_list()], "outputs": [9], "truncated": False}
+    log = {"events": [judge.dataflow.Event("relu", reads=[1], fresh=[9]).to_list()], "outputs": [9], "output_spans": [],
+           "truncated": False}
     with pytest.raises(Hacked) as err:  # a launch reported that the log never saw
         judge._judge_flow(_flow_judge(), 0, log, {"scratch_kernel"}, 1)
     assert err.value.code == "forged_reply"
@@ -244,6 +329,69 @@ def test_the_launch_record_must_match_the_data_flow_log():
     with pytest.raises(Hacked) as err:  # launches added to the log that the launch hook never saw
         judge._judge_flow(_flow_judge(), 0, {**log, "events": [launch] * 20}, {"scratch_kernel"}, 1)
     assert err.value.code == "forged_reply"
+
+
+def test_a_launch_that_changed_nothing_or_missed_the_output_does_not_make_it_needed():
+    """Changes tracked by storage checksums: a store of the values already there is no write, and
+    a change past the output's bytes (same storage) does not reach the output."""
+    import torch
+    from drkernel import dataflow
+    buf = torch.rand(5000)
+    before = dataflow.block_sums(buf)
+    buf[0] = buf[0].item()  # stored back as it was
+    assert dataflow.changed_span(before, dataflow.block_sums(buf), buf.untyped_storage().nbytes()) is None
+    buf[4999] += 1.0
+    lo, hi = dataflow.changed_span(before, dataflow.block_sums(buf), buf.untyped_storage().nbytes())
+    assert lo <= 4999 * 4 < hi <= 5000 * 4 and lo >= 4096
+
+    def launch(changed):
+        return dataflow.Event("k", kernel="k", args=[("out_ptr", 9)], changed=changed)
+    torch_op = dataflow.Event("relu", reads=[1], over=[9])
+    stores = {"k": frozenset({"out_ptr"})}
+    assert dataflow.needed_launches([torch_op, launch(None)], [9], stores) == [True]  # not tracked: a store counts
+    assert dataflow.needed_launches([torch_op, launch([])], [9], stores) == [False]  # it changed nothing
+    past = [("out_ptr", 16384, 16388)]  # the word behind an output of 16384 bytes
+    assert dataflow.needed_launches([torch_op, launch(past)], [9], stores, {9: (0, 16384)}) == [False]
+    assert dataflow.needed_launches([torch_op, launch([("out_ptr", 0, 4096)])], [9], stores, {9: (0, 16384)}) == [True]
+    wire = launch(past).to_list()
+    assert dataflow.Event.from_list(wire).changed == past
+
+
+def test_the_data_flow_replay_is_linear_in_the_log():
+    """Thousands of launches that each write part of one buffer (a log a candidate can make long on
+    purpose, under MAX_EVENTS) replay in well under a second, not in time and memory squared."""
+    from drkernel import dataflow
+    events = [dataflow.Event("k", kernel="k", args=[("o", 9)]) for _ in range(8000)]
+    t0 = time.perf_counter()
+    assert all(dataflow.needed_launches(events, [9], {"k": frozenset({"o"})}))
+    assert time.perf_counter() - t0 < 2.0
+
+
+def test_launch_patterns_are_learnt_from_checked_calls_and_required_of_the_others():
+    from drkernel import launch_pattern
+    def sig(grid="(4,)", n="S:4096", seed="S:1", out="out0"):
+        return [[f"k{grid}", "x=T:torch.float32:(8,):(1,):in0", f"y=T:torch.float32:(8,):(1,):{out}",
+                 f"n={n}", f"seed={seed}"]]
+    p = launch_pattern.Patterns()
+    assert p.learn(sig(grid="(64,)"))  # the first checked call may autotune or cache
+    assert p.learn(sig(seed="S:2")) and p.learn(sig(seed="S:3"))
+    assert not p.learn(sig(grid="(1,)"))  # a later checked call launched otherwise
+    assert p.allows(sig(seed="S:99"))  # a scalar that changed between checked calls may change
+    assert not p.allows(sig(n="S:0"))  # one that never did may not
+    assert not p.allows(sig(out="own"))  # the kernel wrote a buffer that is not the output
+    assert not p.allows([])  # no launch at all
+    with pytest.raises(ValueError):
+        p.allows([["k(4,)", 5]])
+
+
+def test_recorded_launches_the_device_never_ran_are_a_forged_record():
+    j = _flow_judge()
+    j.last_launches = {"scratch_kernel": 2, "helper": 1}
+    judge._launches_ran(j, [("scratch_kernel", 2, 40.0), ("ampere_sgemm", 1, 9.0)], 0)  # both ran
+    judge._launches_ran(j, [], 0)  # no trace (the profiler failed): nothing to hold it against
+    with pytest.raises(Hacked) as err:
+        judge._launches_ran(j, [(" scratch_kernel", 1, 40.0)], 1)
+    assert err.value.code == "forged_reply" and "2 launch(es) of scratch_kernel recorded, 1 ran" in err.value.detail
 
 
 def test_a_profile_that_disagrees_with_the_checked_calls_is_not_believed():
@@ -328,7 +476,7 @@ def test_the_calibration_stand_in_is_made_once_so_no_null_call_pays_its_copy(mon
     monkeypatch.setattr(runner, "_NullForward", Counted)
     r = runner.Runner(str(tmp_path), confine.Confinement())
     r.torch, r.device, r.recorder = torch, torch.device("cpu"), runner.LaunchRecorder(str(tmp_path / "c.py"))
-    r.inputs, r.slots = [torch.ones(8)], [torch.zeros(8)]
+    r.inputs, r.slots, r.keys = [torch.ones(8)], [torch.zeros(8)], runner.dataflow.Keys()
     r.structure = json.loads(json.dumps(compare.structure(torch.zeros(8)), default=str))
     for seed in range(3):
         reply = r.call({"op": "call", "mode": "null", "seed": seed})

@@ -320,3 +320,25 @@ def test_device_lock_writer_lets_readers_in_until_its_patience_runs_out(tmp_path
     assert writer.waited["alone"] >= 0.6 and first.waited["shared"] < 0.1
     for lock in (first, second, late, writer):
         lock.close()
+
+
+def test_a_runner_whose_directory_outgrows_the_disk_limit_is_killed_alone(tmp_path):
+    """Preallocated blocks count (a file of holes does not hide them) and the kill names why."""
+    from drkernel import sandbox
+    runner_dir = tmp_path / "runner1"
+    runner_dir.mkdir()
+    fd = os.open(runner_dir / "fill", os.O_CREAT | os.O_WRONLY)
+    os.posix_fallocate(fd, 0, 3 * 2**20)
+    os.close(fd)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the stand-in runner, in a group of its own
+        os.setsid()
+        time.sleep(30)
+        os._exit(0)
+    time.sleep(0.1)
+    sandbox._kill_runners_over_disk([(str(runner_dir), pid)], limit_mb=4)
+    assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # under the limit: left alone
+    sandbox._kill_runners_over_disk([(str(runner_dir), pid)], limit_mb=2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert "more than 2 MB" in Path(sandbox.kill_note(str(runner_dir), pid)).read_text()

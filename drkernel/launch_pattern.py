@@ -1,0 +1,102 @@
+"""A call's launch pattern: which of the candidate's kernels it launched, in order, over which grid,
+on tensors of which shape and role (an input, the output, a buffer of its own), with which scalars.
+
+KernelBench draws every call's inputs with the same shapes, so an honest forward launches the same
+way on every call. A candidate that can tell checked calls from the others (a call count, the input
+distribution, the data-flow log's dispatch mode, the profiler) and launches less, or something else,
+where it guesses nobody checks shows another pattern there. The runner records every call's launches
+the same way (the launch hook runs in all of them) and describes them when the judge asks, after the
+reply (outside every timed span). The judge learns the patterns of the checked calls (`Patterns`):
+after the first (which may autotune, compile or cache) they must all launch alike, on uniform and
+signed inputs (a forward that launches otherwise when the inputs have negative values drops work on
+KernelBench's own inputs); and every warm-up, timed and profiled call must show one of them, with
+the scalars that were the same in all of those checked calls (a per-call seed may change).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_LAUNCHES = 2048  # a level-3 forward launches a few hundred; past this only the count is kept
+
+
+def describe(launches: list[tuple[str, tuple, dict]], key, input_keys: list[int], output_keys: list[int]) -> list:
+    """Runner side: the wire form of `launches` ((kernel, grid, arguments by parameter) in order),
+    one list of strings per launch; `key(t)` is a tensor's storage key, which tells an input or an
+    output from a buffer of the candidate's own."""
+    import torch
+    roles = {k: f"in{i}" for i, k in enumerate(input_keys)}
+    roles.update({k: f"out{i}" for i, k in enumerate(output_keys)})
+    out = []
+    for name, grid, args in launches[:MAX_LAUNCHES]:
+        out.append([f"{name}{tuple(grid)}", *(_arg(p, v, key, roles, torch.Tensor) for p, v in args.items())])
+    if len(launches) > MAX_LAUNCHES:
+        out.append([f"... {len(launches)} launches"])
+    return out
+
+
+def _arg(param: str, v: Any, key, roles: dict, tensor: type) -> str:
+    # strings, not nested lists: a pattern is built for every call and strings cost the collector nothing
+    if isinstance(v, tensor):
+        return f"{param}=T:{v.dtype}:{tuple(v.shape)}:{v.stride()}:{roles.get(key(v), 'own')}"
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return f"{param}=S:{v!r}"
+    return f"{param}=O:{type(v).__name__}"
+
+
+def split(sig: Any) -> tuple[tuple, tuple[str, ...]]:
+    """Judge side: (the pattern with its scalars blanked, the scalars in order) of the runner's
+    untrusted wire form; ValueError when it is malformed."""
+    if not isinstance(sig, list) or not all(isinstance(x, list) and x and all(isinstance(s, str) for s in x)
+                                            for x in sig):
+        raise ValueError("a launch pattern is a list of lists of strings")
+    shape, scalars = [], []
+    for launch in sig:
+        params = [launch[0]]
+        for item in launch[1:]:
+            param, _, value = item.partition("=")
+            if value.startswith("S:"):
+                scalars.append(value)
+                params.append(f"{param}=S")
+            else:
+                params.append(item)
+        shape.append(tuple(params))
+    return tuple(shape), tuple(scalars)
+
+
+def kernel_counts(sig: Any) -> dict[str, int]:
+    """Launches per kernel name in a (well-formed) pattern."""
+    counts: dict[str, int] = {}
+    for launch in sig:
+        name = launch[0].split("(", 1)[0]
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+class Patterns:
+    """The launch patterns of the checked calls, each with the scalar values it was seen with."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple, list[tuple[str, ...]]] = {}
+        self.steady: tuple | None = None  # the launches of the checked calls after the first
+        self.calls = 0
+
+    def learn(self, sig: Any) -> bool:
+        """Keep a checked call's pattern; False when, after the first call, it launched otherwise
+        than the checked calls before it (scalars aside)."""
+        shape, scalars = split(sig)
+        self.seen.setdefault(shape, []).append(scalars)
+        self.calls += 1
+        if self.calls == 1:
+            return True
+        self.steady = shape if self.steady is None else self.steady
+        return shape == self.steady
+
+    def allows(self, sig: Any) -> bool:
+        """Whether `sig` is a pattern of the checked calls, with every scalar that was the same in
+        all of that pattern's checked calls the same again."""
+        shape, scalars = split(sig)
+        known = self.seen.get(shape)
+        if not known:
+            return False
+        return all(len({s[i] for s in known}) > 1 or known[0][i] == v for i, v in enumerate(scalars))
