@@ -20,7 +20,7 @@ import signal
 import time
 
 from drkernel import ipc, procfs
-from drkernel.sandbox import kill_note, read_output
+from drkernel.ipc import kill_note, read_output
 
 _CUDA_FAULTS = ("CUDA error", "illegal memory access", "device-side assert")
 
@@ -73,6 +73,8 @@ class Channel:
         """The reply to the pending request; the runner is stopped the moment it arrives."""
         try:
             reply = ipc.recv(self.sock, self.deadline)
+        except ipc.Malformed as exc:
+            raise Hacked("forged_reply", f"the runner's socket carried a frame its sender never writes ({exc})") from None
         except (OSError, ipc.ChannelClosed) as exc:
             raise self.gone(exc) from None
         finally:

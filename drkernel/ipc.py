@@ -3,7 +3,8 @@
 Messages are 8-byte big-endian length + UTF-8 JSON over a socket pair (the sandbox speaks the
 same framing with its zygote, over pipes). The judge reads
 whatever the runner sends as untrusted data: `recv` bounds the size and the time, and callers
-validate every field (`number`).
+validate every field (`number`). The files in a runner's directory are as untrusted: its
+captured output is read only as a plain file (`read_output`).
 
 Tensors never travel inside messages. The judge allocates one *arena* (a flat uint8 tensor)
 that holds the input buffers and the output slots of one evaluation, and hands the runner a
@@ -23,6 +24,7 @@ import math
 import os
 import pickle
 import select
+import stat
 import struct
 import time
 from typing import Any
@@ -36,6 +38,10 @@ _ROUND = 2 * 2**20
 
 class ChannelClosed(Exception):
     """The other side closed the socket, sent garbage, or did not answer in time."""
+
+
+class Malformed(ChannelClosed):
+    """A frame that is not a JSON object: the runner's own sender never writes one."""
 
 
 class Timeout(ChannelClosed):
@@ -66,17 +72,18 @@ def _read(fd: int, n: int, deadline: float | None) -> bytes:
 
 
 def recv(fd: int, deadline: float | None = None, limit: int = MAX_MESSAGE) -> dict:
-    """One message as a dict; `ChannelClosed` on EOF, oversize (`limit` bytes) or malformed JSON,
-    `Timeout` past `deadline` (monotonic)."""
+    """One message as a dict; `ChannelClosed` on EOF or oversize (`limit` bytes), `Malformed` on
+    anything but a JSON object, `Timeout` past `deadline` (monotonic)."""
     (size,) = _HEADER.unpack(_read(fd, _HEADER.size, deadline))
     if size > limit:
         raise ChannelClosed(f"message of {size} bytes (limit {limit})")
+    data = _read(fd, size, deadline)
     try:
-        msg = json.loads(_read(fd, size, deadline))
-    except ValueError as exc:
-        raise ChannelClosed(f"malformed message: {exc}") from None
+        msg = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # nesting deeper than the parser's stack is garbage too
+        raise Malformed(f"malformed message: {type(exc).__name__}") from None
     if not isinstance(msg, dict):
-        raise ChannelClosed("malformed message: not an object")
+        raise Malformed("malformed message: not an object")
     return msg
 
 
@@ -87,6 +94,42 @@ def number(msg: dict, key: str, default: float | None = None) -> float | None:
         return default
     v = float(v)
     return v if math.isfinite(v) and v >= 0 else default
+
+
+# --------------------------------------------------------------------------------------
+# Files a runner's directory holds
+# --------------------------------------------------------------------------------------
+
+def read_output(path: str, max_chars: int) -> str:
+    """Head + tail of a captured stream, with a marker saying how much was dropped. The file lies
+    where candidate code can replace it: anything but a plain file of one link (a FIFO would block
+    the reader, a symlink or hard link would read another file into the result) reads as empty."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return ""
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                return ""
+            size = st.st_size
+            if size <= max_chars:
+                return fh.read(max_chars).decode("utf-8", "replace")
+            head = fh.read(max_chars // 2)
+            fh.seek(size - (max_chars - max_chars // 2))
+            tail = fh.read(max_chars)
+    except OSError:
+        return ""
+    dropped = size - len(head) - len(tail)
+    return (head.decode("utf-8", "replace") + f"\n[... {dropped} chars truncated ...]\n"
+            + tail.decode("utf-8", "replace"))
+
+
+def kill_note(runner_dir: str, runner_pid: int) -> str:
+    """The file the supervisor leaves in the job's directory (out of every runner's reach) saying
+    why it killed that runner alone."""
+    return os.path.join(os.path.dirname(runner_dir), f"killed_{runner_pid}")
 
 
 # --------------------------------------------------------------------------------------

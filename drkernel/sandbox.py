@@ -41,7 +41,6 @@ import select
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -52,6 +51,7 @@ import weakref
 from typing import Any, Callable, Union
 
 from drkernel import ipc, procfs
+from drkernel.ipc import kill_note, read_output
 
 STATUSES = ("ok", "exception", "timeout", "signal", "exit_no_result", "oom", "oversized_result",
             "sandbox_error")
@@ -335,32 +335,6 @@ def _call_target(job: dict) -> tuple[int, dict | None]:
 # The zygote
 # ======================================================================================
 
-def read_output(path: str, max_chars: int) -> str:
-    """Head + tail of a captured stream, with a marker saying how much was dropped. The file lies
-    where candidate code can replace it: anything but a plain file of one link (a FIFO would block
-    the reader, a symlink or hard link would read another file into the result) reads as empty."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return ""
-    try:
-        with os.fdopen(fd, "rb") as fh:
-            st = os.fstat(fh.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-                return ""
-            size = st.st_size
-            if size <= max_chars:
-                return fh.read(max_chars).decode("utf-8", "replace")
-            head = fh.read(max_chars // 2)
-            fh.seek(size - (max_chars - max_chars // 2))
-            tail = fh.read(max_chars)
-    except OSError:
-        return ""
-    dropped = size - len(head) - len(tail)
-    return (head.decode("utf-8", "replace") + f"\n[... {dropped} chars truncated ...]\n"
-            + tail.decode("utf-8", "replace"))
-
-
 def _supervise(pid: int, lim: SandboxLimits, t0: float, workdir: str,
                runners: list[tuple[str, int]]) -> tuple[int, str | None, float]:
     """Wait for the child while policing time, memory, disk and process count. Over the memory
@@ -406,12 +380,6 @@ def _supervise(pid: int, lim: SandboxLimits, t0: float, workdir: str,
     finally:
         if pidfd is not None:
             os.close(pidfd)
-
-
-def kill_note(runner_dir: str, runner_pid: int) -> str:
-    """The file the supervisor leaves in the job's directory (out of every runner's reach) saying
-    why it killed that runner alone."""
-    return os.path.join(os.path.dirname(runner_dir), f"killed_{runner_pid}")
 
 
 def _kill_runner(runner_dir: str, group: int, why: str) -> None:

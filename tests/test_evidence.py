@@ -10,6 +10,7 @@ import signal
 import socket
 import struct
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +67,18 @@ def test_a_reply_without_the_request_nonce_is_a_forged_reply():
         assert caught.value.code == "forged_reply"
     finally:
         _reap(pid)
+
+
+def test_a_frame_nested_past_the_parser_is_a_forged_reply_not_a_judge_error():
+    mine, theirs = socket.socketpair()
+    deep = b"[" * 200_000 + b"]" * 200_000
+    theirs.sendall(struct.pack(">Q", len(deep)))
+    threading.Thread(target=theirs.sendall, args=(deep,), daemon=True).start()
+    with pytest.raises(Hacked) as caught:
+        _channel(mine.fileno(), 0).receive()
+    assert caught.value.code == "forged_reply"
+    mine.close()
+    theirs.close()
 
 
 def test_data_after_the_reply_is_a_forged_reply():
