@@ -156,6 +156,7 @@ class Judge:
     patterns: launch_pattern.Patterns = dataclasses.field(default_factory=launch_pattern.Patterns)
     last_launches: dict[str, int] = dataclasses.field(default_factory=dict)  # the last call's, per kernel
     honest_extra: float = 0.0  # the judge's clock over the reference's own time, per ms (`_honest_extra`)
+    reference_excess_ms: float = 0.0  # the same in ms a call, unscaled (what counts on a CPU)
     sched: dict = dataclasses.field(default_factory=dict)  # pid -> `_sched_of`, before any candidate code
 
     @property
@@ -1029,10 +1030,12 @@ def _accepted_ms(j: Judge, events: list[float], walls: list[float]) -> float:
     event), and on host-bound models a share of the call that the reference's own calls, timed
     beside it, show (`honest_extra`). A larger median excess means work outside the runner's
     events (another stream or thread) or a forged timer: flagged, and the judge's clock minus the
-    overhead counts instead."""
+    overhead counts instead. On a CPU the excess of an interpreted call is the host's (scheduling,
+    the channel), not in proportion to the tiny times the runner measures there: the reference's
+    own excess counts as it is."""
     cand = median(events)
     extra = _clock_excess(j.ref, events, walls)
-    honest = j.honest_extra * cand
+    honest = j.honest_extra * cand if j.ref.cuda else j.reference_excess_ms
     slack = max(j.cfg.clock_slack_ms if j.ref.cuda else j.cfg.cpu_clock_slack_ms, j.cfg.clock_slack_frac * cand)
     j.details["clock_extra_ms"] = extra
     if extra <= slack + honest:
@@ -1081,6 +1084,7 @@ def time_interleaved(j: Judge) -> None:
             call_candidate(j, fresh_seed(), "warm")
         ref_ms, ref_walls, events, walls = _timed_pairs(j)
     j.honest_extra = _honest_extra(r, ref_ms, ref_walls)
+    j.reference_excess_ms = max(0.0, _clock_excess(r, ref_ms, ref_walls))
     j.details["reference_clock_extra_per_ms"] = j.honest_extra
     _record_speed(j, ref_ms, ref_walls, events, walls)
     j.mark("timing")

@@ -153,6 +153,19 @@ def test_clock_rule_allows_what_the_reference_itself_shows_on_host_bound_models(
     assert j.out.hacks == ["side_stream"]
 
 
+def test_on_a_cpu_the_clock_allows_the_references_own_excess_unscaled():
+    """On a CPU the reference's torch calls take microseconds while the host adds
+    milliseconds around each: per ms of its time that is a huge factor, which scaled by a
+    candidate's time would allow seconds of hidden work."""
+    j = _judge("cpu")
+    j.ref.overhead_ms = 0.2
+    j.honest_extra, j.reference_excess_ms = 168.0, 10.0  # 10 ms of host time around 0.06 ms calls
+    honest = judge._accepted_ms(j, [24.0] * 9, [24.0 + 0.2 + 12.0] * 9)  # like the reference, 2 ms more
+    assert honest == pytest.approx(24.0) and not j.out.hacks
+    judge._accepted_ms(j, [24.0] * 9, [24.0 + 0.2 + 1000.0] * 9)  # a second after the runner's timer
+    assert j.out.hacks == ["side_stream"]
+
+
 def test_reference_slowed_rule(monkeypatch):
     """Slower next to the candidate than alone before it: a hack only if the reference, re-timed
     alone once the GPU is idle, is fast again (what the candidate left running is gone); a
