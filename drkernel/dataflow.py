@@ -225,9 +225,8 @@ def _written(ev: Event, stores: dict[str, frozenset[str]], i: int, spans: dict) 
     """The keys event `i` wrote; a tracked launch's changed byte ranges go into `spans`."""
     if ev.kernel is None:
         return ev.partial
-    may = [(p, k) for p, k in ev.args if ev.kernel not in stores or p in stores[ev.kernel]]
-    if ev.changed is None:
-        return [k for _, k in may]
+    if ev.changed is None:  # not tracked: every argument its source may store through
+        return [k for p, k in ev.args if ev.kernel not in stores or p in stores[ev.kernel]]
     keys = dict(ev.args)
     out = []
     for p, lo, hi in ev.changed:

@@ -66,8 +66,9 @@ class LaunchRecorder:
 
     def __init__(self, candidate_file: str):
         self.candidate_file = os.path.realpath(candidate_file)
-        self.launches: list[tuple[str, tuple, dict]] = []  # (kernel, grid, arguments by parameter)
-        self.alive: list[Any] = []  # launched tensors stay alive until the call ends (allocator reuse)
+        # (kernel, grid, arguments by parameter); it also keeps the launched tensors alive until the
+        # call ends (a freed kernel buffer cannot be handed to a torch-made output)
+        self.launches: list[tuple[str, tuple, dict]] = []
         self.noop = False
         self.track_changes = False  # where a launch changed its arguments (`dataflow.block_sums`)
         self.flow: dataflow.FlowLog | None = None
@@ -162,18 +163,17 @@ class LaunchRecorder:
         if self.expected_stream is not None and torch.cuda.current_stream() != self.expected_stream:
             self.off_stream.add(name)
         ts = [(p, v) for p, v in bound.items() if isinstance(v, torch.Tensor)]
-        self.alive.extend(t for _, t in ts)
         self.launches.append((name, tuple(grid), bound))
         if self.flow is not None:
             self.flow.launch(name, ts, changed)
 
     def begin(self, noop: bool = False, flow: dataflow.FlowLog | None = None, track_changes: bool = False) -> None:
-        self.launches, self.alive, self.noop, self.flow = [], [], noop, flow
+        self.launches, self.noop, self.flow = [], noop, flow
         self.track_changes = flow is not None and track_changes
 
     def end(self) -> list[tuple[str, tuple, dict]]:
         launches = self.launches
-        self.launches, self.alive, self.noop, self.flow, self.track_changes = [], [], False, None, False
+        self.launches, self.noop, self.flow, self.track_changes = [], False, None, False
         return launches
 
 

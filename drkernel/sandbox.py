@@ -335,7 +335,7 @@ def _call_target(job: dict) -> tuple[int, dict | None]:
 # The zygote
 # ======================================================================================
 
-def _supervise(pid: int, lim: SandboxLimits, t0: float, workdir: str,
+def _supervise(pid: int, lim: SandboxLimits, t0: float,
                runners: list[tuple[str, int]]) -> tuple[int, str | None, float]:
     """Wait for the child while policing time, memory, disk and process count. Over the memory
     limit, a runner's process group that holds more than the child's own is killed alone (the
@@ -359,17 +359,17 @@ def _supervise(pid: int, lim: SandboxLimits, t0: float, workdir: str,
                 peak = max(peak, rss_mb)
                 if time.monotonic() > deadline:
                     reason = "timeout"
-                elif rss_mb > lim.max_rss_mb and not _kill_hungriest_runner(live, pid, workdir):
+                elif rss_mb > lim.max_rss_mb and not _kill_hungriest_runner(live, pid, runners):
                     reason = "oom"
-                if time.monotonic() - disk_checked > _DISK_CHECK_S:
-                    disk_checked = time.monotonic()
-                    _kill_runners_over_disk(runners, lim.max_disk_mb)
                 elif len(live) > lim.max_procs:
                     reason = "procs"
                 elif sum(st.threads for st in live) > lim.max_threads:
                     reason = "threads"
                 elif os.getppid() != parent:  # the trainer is gone: stop everything
                     reason = "orphaned"
+            if reason is None and time.monotonic() - disk_checked > _DISK_CHECK_S:
+                disk_checked = time.monotonic()
+                _kill_runners_over_disk(runners, lim.max_disk_mb)
             if reason is not None:
                 _signal_job(root, pid)  # again each round: a fork bomb may still be spawning
             if pidfd is not None:
@@ -382,9 +382,11 @@ def _supervise(pid: int, lim: SandboxLimits, t0: float, workdir: str,
             os.close(pidfd)
 
 
-def _kill_runner(runner_dir: str, group: int, why: str) -> None:
-    with contextlib.suppress(OSError), open(kill_note(runner_dir, group), "w") as fh:
-        fh.write(why)
+def _kill_runner(runner_dir: str | None, group: int, why: str) -> None:
+    """SIGKILL a process group, leaving a note for the judge where it is one of the job's runners."""
+    if runner_dir is not None:
+        with contextlib.suppress(OSError), open(kill_note(runner_dir, group), "w") as fh:
+            fh.write(why)
     with contextlib.suppress(OSError):
         os.killpg(group, signal.SIGKILL)
 
@@ -412,16 +414,17 @@ def _disk_mb(top: str, max_entries: int = 20000) -> float:
     return total / 2**20
 
 
-def _kill_hungriest_runner(live: list[procfs.Stat], child_pgid: int, workdir: str) -> bool:
-    """Kill the process group of the runner holding the most memory, if it holds more than the
-    child's own group; False when the child's own memory is the problem."""
+def _kill_hungriest_runner(live: list[procfs.Stat], child_pgid: int, runners: list[tuple[str, int]]) -> bool:
+    """Kill the process group holding the most memory besides the child's (a runner, each leads
+    its own group), if it holds more than the child's own group; False when the child's own
+    memory is the problem."""
     by_group: dict[int, int] = {}
     for st in live:
         by_group[st.pgrp] = by_group.get(st.pgrp, 0) + st.rss_bytes
     group = max((g for g in by_group if g != child_pgid), key=by_group.get, default=None)
     if group is None or by_group[group] <= by_group.get(child_pgid, 0):
         return False
-    _kill_runner(os.path.join(workdir, "runner"), group, "it used more memory than the job allows")
+    _kill_runner(dict((pid, d) for d, pid in runners).get(group), group, "it used more memory than the job allows")
     return True
 
 
@@ -530,8 +533,7 @@ def _zygote_job(job: dict, pipe_fds: tuple[int, int]) -> dict:
     try:
         _send(pipe_fds[1], {"op": "started", "pid": pid, "workdir": workdir})
         kw = job.get("kwargs") or {}
-        status, reason, peak = _supervise(pid, lim, t0, workdir, list(zip(kw.get("runner_dirs", []),
-                                                                           kw.get("runner_pids", []))))
+        status, reason, peak = _supervise(pid, lim, t0, list(zip(kw.get("runner_dirs", []), kw.get("runner_pids", []))))
         wall = time.monotonic() - t0
         _kill_job(os.getpid(), pid)  # leftovers: grandchildren, daemons
         res = _classify(status, reason, result_path, lim)

@@ -47,9 +47,10 @@ def python_calls(source: str) -> list[str]:
     except (SyntaxError, ValueError):
         return []
     kernels = set(jit_kernels(source))
+    tl_names = _triton_aliases(tree)
     body = tree.body if isinstance(tree, ast.Module) else []
     python = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-              and n.name not in kernels and not _triton_decorated(n, _triton_aliases(tree))}
+              and n.name not in kernels and not _triton_decorated(n, tl_names)}
     python |= {name for n in body if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) for name in _names(t)}
     python = (python - kernels) | {"torch"}
