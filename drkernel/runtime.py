@@ -210,8 +210,8 @@ class MetricsLogger:
                 fh.write(json.dumps(row) + "\n")
 
     def close(self) -> None:
-        if self.acc.trackers:
-            self.acc.end_training()
+        # also destroys the process group: a rank exiting with gloo/NCCL threads alive can abort
+        self.acc.end_training()
 
 
 def _numbered(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:

@@ -44,6 +44,7 @@ def main(out_path: str) -> None:
         params = {n: p.detach().clone() for n, p in acc.unwrap_model(model).named_parameters()}
         torch.save({"params": params, "advantages": dict(gathered), "loss": metrics["loss"]}, out_path)
     acc.wait_for_everyone()
+    acc.end_training()  # without it a rank can abort at exit ("terminate called without an active exception")
 
 
 if __name__ == "__main__":
