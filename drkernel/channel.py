@@ -132,22 +132,36 @@ class Channel:
         if not self.zygote_pid:
             return []
         known = {os.getpid(), self.pid, *self.siblings}
-        out = [p for p in procfs.children(self.zygote_pid) if p not in known]
+        out = [p for p in procfs.children(self.zygote_pid) if p not in known and not _zombie(p)]
         return out + [d for p in out for d in procfs.descendants(p)]
 
     def kill(self) -> None:
-        """The runner and its group gone for good (its CUDA context with it)."""
+        """The runner and its group gone for good (its CUDA context with it), then every process
+        it left (re-parented to the zygote by then), so that none lives on into the next candidate's turn."""
         if not _signal_group(self.pid, signal.SIGKILL):
             return
         for _ in range(2000):
-            st = procfs.stat(self.pid)
-            if st is None or st.state in ("Z", "X"):
+            if _zombie(self.pid):
+                break
+            time.sleep(0.001)
+        for _ in range(100):  # again while a stray is still forking
+            strays = self.strays()
+            if not strays:
                 return
+            for pid in strays:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             time.sleep(0.001)
 
     def output(self, name: str, limit: int) -> str:
         """What the runner printed (`stdout` or `stderr` in its directory), head and tail."""
         return read_output(os.path.join(self.dir, name), limit)
+
+
+def _zombie(pid: int) -> bool:
+    """`pid` has exited (a zombie, or gone): it holds nothing and runs nothing."""
+    st = procfs.stat(pid)
+    return st is None or st.state in ("Z", "X")
 
 
 def _signal_group(pid: int, sig: int) -> bool:

@@ -549,20 +549,26 @@ class Evaluator:
         early = [self._preflight(p) for p in preps]
         runs = [_Run(e) if e is not None else None for e in early]
         todo = [p for p, e in zip(preps, early) if e is None]
-        if todo:
-            start = time.monotonic()
-            kwargs = {"reference_path": todo[0].ref_path, "candidate_paths": [p.cand_path for p in todo],
-                      "config": dataclasses.asdict(self.cfg), "exclusive": exclusive, "defer": defer}
-            res = self.pool.run(_JUDGE, kwargs, runners=[_RUNNER] * (1 + len(todo)),
-                                limits=_limits(self.cfg, jobs=1 + len(todo)))
-            judged = iter(_map_group(res, len(todo)))
-            for k, run in enumerate(runs):
-                if run is None:
-                    result = next(judged)
-                    # the pre-flight's and the whole sandbox job's seconds (forks and process exits included)
-                    result.details["overhead_s"] = {"preflight": round(preps[k].preflight_s, 3),
-                                                    "job": round(res.wall_s, 3), "group": len(todo)}
-                    runs[k] = _Run(result, start, time.monotonic())
+        judged = iter(self._judge(todo, exclusive, defer) if todo else [])
+        return [run if run is not None else next(judged) for run in runs]
+
+    def _judge(self, todo: list["_Prepared"], exclusive: bool, defer: bool) -> list[_Run]:
+        """One judge's job for the candidates of `todo`. A job of several that ended without an
+        answer (a limit of the whole job, a crash) is done again one candidate a job, so that no
+        candidate is given an ending another one caused."""
+        start = time.monotonic()
+        kwargs = {"reference_path": todo[0].ref_path, "candidate_paths": [p.cand_path for p in todo],
+                  "config": dataclasses.asdict(self.cfg), "exclusive": exclusive, "defer": defer}
+        res = self.pool.run(_JUDGE, kwargs, runners=[_RUNNER] * (1 + len(todo)),
+                            limits=_limits(self.cfg, jobs=1 + len(todo)))
+        if res.status != "ok" and len(todo) > 1:
+            return [run for p in todo for run in self._judge([p], exclusive, defer)]
+        runs = []
+        for prep, result in zip(todo, _map_group(res, len(todo))):
+            # the pre-flight's and the whole sandbox job's seconds (forks and process exits included)
+            result.details["overhead_s"] = {"preflight": round(prep.preflight_s, 3), "job": round(res.wall_s, 3),
+                                            "group": len(todo)}
+            runs.append(_Run(result, start, time.monotonic()))
         return runs
 
     def close(self):

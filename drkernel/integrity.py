@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import builtins
 import os
+import re
 import sys
 import threading
 import time
@@ -30,12 +31,17 @@ _REF_ATTRS = {
     "tb_frame", "gi_frame", "cr_frame", "ag_frame", "_current_frames", "stack", "trace",
     "walk_stack", "walk_tb", "getargvalues", "tb_next",
 }
-_REF_MODULES = {"ctypes", "gc", "_ctypes", "cffi", "importlib", "runpy", "pkgutil", "imp", "marshal", "drkernel"}
+_REF_MODULES = {"ctypes", "gc", "_ctypes", "cffi", "importlib", "runpy", "pkgutil", "imp", "marshal", "drkernel",
+                # what hands a callback the running frames (handlers, debuggers, profilers) or
+                # rebuilds any object from data no scan reads (pickles)
+                "signal", "_signal", "faulthandler", "bdb", "pdb", "trace", "profile", "cProfile", "_lsprof",
+                "pickle", "_pickle", "copyreg", "shelve", "dill", "code", "codeop"}
 # attributes that reach from an object into the interpreter's own machinery (other modules'
 # globals, closures, every class): the routes to the runner's evidence and to its harness
 _REACH_ATTRS = {"__globals__", "__closure__", "__subclasses__", "__code__", "cell_contents", "__bases__",
                 "__mro__", "__base__", "__loader__", "__self__", "__func__", "__wrapped__", "__getattribute__",
-                "getclosurevars", "getmodule", "getmembers", "getattr_static", "unwrap"}
+                "getclosurevars", "getmodule", "getmembers", "getattr_static", "unwrap",
+                "attrgetter", "methodcaller"}
 _THREAD_MODULES = {"threading", "_thread", "concurrent", "multiprocessing", "asyncio", "subprocess"}
 _PATCH_STRINGS = {"torch.library", "Library", "_dispatch", "impl_abstract", "register_kernel",
                   "__torch_function__", "__torch_dispatch__", "settrace", "setprofile"}
@@ -64,6 +70,9 @@ def _node_findings(node: ast.AST, reference_path: str | None) -> list[tuple[str,
         return [("reference_access" if node.id == "__import__" else "patched_function", node.id)]
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return _string_findings(node.value, reference_path)
+    if isinstance(node, ast.Constant) and isinstance(node.value, bytes):  # data a loader turns into names
+        words = re.findall(r"[A-Za-z_][A-Za-z0-9_.]*", node.value.decode("latin-1"))
+        return [f for w in dict.fromkeys(words) for f in _string_findings(w, reference_path)]
     if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in ("__torch_function__", "__torch_dispatch__"):
         return [("patched_function", f"defines {node.name}")]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("exec", "eval", "compile"):
@@ -86,8 +95,10 @@ def _import_findings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]
             out.append(("thread_spawned", f"imports {n}"))
         if n.startswith("torch.library") or n in ("torch.overrides", "torch.utils._python_dispatch"):
             out.append(("patched_function", f"imports {n}"))
-    if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("inspect", "traceback"):
-        out += [("reference_access", f"{node.module}.{a.name}") for a in node.names if a.name in _REF_ATTRS]
+    if isinstance(node, ast.ImportFrom):
+        frames = (node.module or "").split(".")[0] in ("inspect", "traceback")
+        out += [("reference_access", f"{node.module}.{a.name}") for a in node.names
+                if a.name in _REACH_ATTRS or (frames and a.name in _REF_ATTRS)]
     if isinstance(node, ast.ImportFrom) and node.module == "sys":
         for a in node.names:
             if a.name in ("modules", "_getframe", "_current_frames"):
@@ -126,10 +137,10 @@ def _string_findings(s: str, reference_path: str | None) -> list[tuple[str, str]
 
 
 def _dynamic_attribute(node: ast.AST) -> bool:
-    """`getattr(x, "a" + "b")` and the like: a name assembled so that no scan sees it."""
+    """`getattr(x, "a" + "b")`, `getattr(x, name)` and the like: a name no scan sees."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2
-            and isinstance(node.args[1], (ast.BinOp, ast.JoinedStr, ast.Call, ast.Subscript)))
+            and not isinstance(node.args[1], ast.Constant))
 
 
 # --------------------------------------------------------------------------------------

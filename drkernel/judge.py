@@ -1352,7 +1352,9 @@ def _judge_candidate(r: Reference, runner: Channel, candidate_path: str, started
         runner.kill()
     if r.gpu is not None:
         j.details["lock_wait_s"] = {k: round(v - waited.get(k, 0.0), 3) for k, v in r.gpu.waited.items()}
-    return _verdict(j, started)
+    result = _verdict(j, started)
+    shutil.rmtree(runner.dir, ignore_errors=True)  # its files go with its turn: disk held is one runner's
+    return result
 
 
 def _verdict(j: Judge, started: float) -> dict:

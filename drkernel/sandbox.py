@@ -337,10 +337,11 @@ def _call_target(job: dict) -> tuple[int, dict | None]:
 
 def _supervise(pid: int, lim: SandboxLimits, t0: float,
                runners: list[tuple[str, int]]) -> tuple[int, str | None, float]:
-    """Wait for the child while policing time, memory, disk and process count. Over the memory
-    limit, a runner's process group that holds more than the child's own is killed alone (the
-    child goes on with the job's other runners); otherwise the whole job. A runner whose directory
-    outgrows `max_disk_mb` is killed alone. Returns (wait status, kill reason or None, peak RSS in MB)."""
+    """Wait for the child while policing time, memory, disk, processes and threads. Over a limit,
+    the process tree that holds the most besides the child's (a runner's, or one re-parented to
+    the zygote) is killed alone if it holds more than the child's own, and the child goes on with
+    the job's other runners; otherwise the whole job ends. A runner whose directory outgrows
+    `max_disk_mb` is killed alone. Returns (wait status, kill reason or None, peak RSS in MB)."""
     root = os.getpid()
     parent = os.getppid()
     pidfd = None
@@ -354,19 +355,14 @@ def _supervise(pid: int, lim: SandboxLimits, t0: float,
             if done == pid:
                 return status, reason, peak
             if reason is None:
-                live = [st for st in _job_processes(root, pid).values() if st.state not in ("Z", "X")]
-                rss_mb = sum(st.rss_bytes for st in live) / 2**20
-                peak = max(peak, rss_mb)
+                trees, over = _police(root, pid, runners, lim)
+                peak = max(peak, sum(t.rss_bytes for t in trees.values()) / 2**20)
                 if time.monotonic() > deadline:
                     reason = "timeout"
-                elif rss_mb > lim.max_rss_mb and not _kill_hungriest_runner(live, pid, runners):
-                    reason = "oom"
-                elif len(live) > lim.max_procs:
-                    reason = "procs"
-                elif sum(st.threads for st in live) > lim.max_threads:
-                    reason = "threads"
                 elif os.getppid() != parent:  # the trainer is gone: stop everything
                     reason = "orphaned"
+                else:
+                    reason = over
             if reason is None and time.monotonic() - disk_checked > _DISK_CHECK_S:
                 disk_checked = time.monotonic()
                 _kill_runners_over_disk(runners, lim.max_disk_mb)
@@ -380,6 +376,89 @@ def _supervise(pid: int, lim: SandboxLimits, t0: float,
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+@dataclasses.dataclass
+class _Tree:
+    """The processes that descend from one child of the zygote, and what they hold."""
+    pids: list[int] = dataclasses.field(default_factory=list)
+    procs: int = 0  # zombies included: each holds a pid until reaped
+    threads: int = 0
+    rss_bytes: int = 0
+
+
+# (limit, the _Tree field it bounds, the reason that ends the whole job, why a tree is killed)
+_LIMITS = (("max_rss_mb", "rss_bytes", "oom", "it used more memory than the job allows"),
+           ("max_procs", "procs", "procs", "it started more processes than the job allows"),
+           ("max_threads", "threads", "threads", "it started more threads than the job allows"))
+
+
+def _police(root: int, child: int, runners: list[tuple[str, int]],
+            lim: SandboxLimits) -> tuple[dict[int, _Tree], str | None]:
+    """The job's process trees (by the zygote's child each descends from), after reaping the
+    zombies re-parented to the zygote, and the reason to end the whole job, if any: a tree over a
+    limit is killed here when it is not the child's own (the next round sees it gone)."""
+    table = _job_processes(root, child)
+    known = {child, *(p for _, p in runners)}
+    for pid, st in list(table.items()):
+        if st.ppid == root and st.state == "Z" and pid not in known:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+            del table[pid]
+    trees = _trees(table, root)
+    for limit, field, reason, why in _LIMITS:
+        scale = 2**20 if limit == "max_rss_mb" else 1
+        if sum(getattr(t, field) for t in trees.values()) > getattr(lim, limit) * scale:
+            heaviest = _heaviest(trees, field, child)
+            if heaviest is None:
+                return trees, reason
+            _kill_tree(trees[heaviest], heaviest, runners, why)
+    return trees, None
+
+
+def _heaviest(trees: dict[int, _Tree], field: str, child: int) -> int | None:
+    """The head of the tree holding the most of `field` besides the child's, if it holds more than
+    the child's own (None: the child's own tree is the problem)."""
+    own = getattr(trees.get(child, _Tree()), field)
+    others = [(getattr(t, field), head) for head, t in trees.items() if head != child]
+    most, head = max(others, default=(0, None))
+    return head if most > own else None
+
+
+def _trees(table: dict[int, procfs.Stat], root: int) -> dict[int, _Tree]:
+    """The processes of `table` grouped by the child of `root` (the zygote) they descend from; a
+    process whose parent is outside the table heads its own tree."""
+    head: dict[int, int] = {}
+    for start in table:
+        chain, pid = [], start
+        while pid not in head:
+            chain.append(pid)
+            parent = table[pid].ppid
+            if parent == root or parent not in table:
+                head[pid] = pid
+                break
+            pid = parent
+        for p in chain:
+            head[p] = head[pid]
+    trees: dict[int, _Tree] = {}
+    for pid, st in table.items():
+        tree = trees.setdefault(head[pid], _Tree())
+        tree.pids.append(pid)
+        tree.procs += 1
+        if st.state not in ("Z", "X"):
+            tree.threads += st.threads
+            tree.rss_bytes += st.rss_bytes
+    return trees
+
+
+def _kill_tree(tree: _Tree, head: int, runners: list[tuple[str, int]], why: str) -> None:
+    """Kill a process tree; a runner's gets a note saying `why`."""
+    runner_dir = dict((pid, d) for d, pid in runners).get(head)
+    if runner_dir is not None:
+        _kill_runner(runner_dir, head, why)
+    for pid in tree.pids:  # members that left the runner's group too
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _kill_runner(runner_dir: str | None, group: int, why: str) -> None:
@@ -412,20 +491,6 @@ def _disk_mb(top: str, max_entries: int = 20000) -> float:
                 if entry.is_dir(follow_symlinks=False):
                     todo.append(entry.path)
     return total / 2**20
-
-
-def _kill_hungriest_runner(live: list[procfs.Stat], child_pgid: int, runners: list[tuple[str, int]]) -> bool:
-    """Kill the process group holding the most memory besides the child's (a runner, each leads
-    its own group), if it holds more than the child's own group; False when the child's own
-    memory is the problem."""
-    by_group: dict[int, int] = {}
-    for st in live:
-        by_group[st.pgrp] = by_group.get(st.pgrp, 0) + st.rss_bytes
-    group = max((g for g in by_group if g != child_pgid), key=by_group.get, default=None)
-    if group is None or by_group[group] <= by_group.get(child_pgid, 0):
-        return False
-    _kill_runner(dict((pid, d) for d, pid in runners).get(group), group, "it used more memory than the job allows")
-    return True
 
 
 def _classify(status: int, reason: str | None, result_path: str, lim: SandboxLimits) -> dict:

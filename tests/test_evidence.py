@@ -268,6 +268,104 @@ def test_a_candidate_over_the_memory_limit_is_killed_alone_and_its_group_goes_on
     assert "killed: it used more memory than the job allows" in results[1].error
 
 
+_SLEEPERS = """
+                if os.fork() == 0:
+                    os.setsid()
+                    time.sleep(30)
+                    os._exit(0)"""
+_ZOMBIES = """
+                os.posix_spawn("/bin/true", ["true"], {})  # never reaped: each holds a pid"""
+
+
+@pytest.mark.parametrize("spawn", [_SLEEPERS, _ZOMBIES], ids=["sleepers_leaving_the_group", "zombies"])
+def test_a_process_bomb_is_killed_alone_and_its_group_goes_on(spawn):
+    """Over the job's process limit (zombies count: they hold pids), the tree of the runner that
+    started them is killed, even the members that left its group, not the whole job with every
+    candidate's result."""
+    from tests.test_evaluator import LEGIT_RELU, relu_candidate
+    bomb = relu_candidate(f"""
+        if not hasattr(self, "forked"):
+            self.forked = True
+            for _ in range(70):  # over the job's 64{spawn}
+            time.sleep(0.5)  # the supervisor's turn
+        return launch(x)""", extra="import os\nimport time\n")
+    ref = str(TASKS / "1_ReLU.py")
+    with Evaluator(cfg()) as ev:
+        results = ev.evaluate_many([(ref, LEGIT_RELU), (ref, bomb), (ref, LEGIT_RELU)])
+    assert [r.verdict for r in results] == ["correct", "crashed", "correct"], [(r.verdict, r.error) for r in results]
+    assert "killed: it started more processes than the job allows" in results[1].error
+
+
+def test_what_a_candidate_leaves_running_or_unreaped_is_never_blamed_on_the_next():
+    """A daemon left by a constructor that then raises, and the zombies of a killed runner's
+    children, end with that candidate's turn: the next candidates are judged as if alone."""
+    from tests.test_evaluator import LEGIT_RELU, relu_candidate
+    leaver = relu_candidate("return launch(x)", extra="import os\nimport time\n", init="""def __init__(self):
+        super().__init__()
+        for _ in range(3):
+            if os.fork() == 0:  # an unreaped child: a zombie once it exits
+                os._exit(0)
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                while True:
+                    time.sleep(0.01)
+            os._exit(0)
+        time.sleep(0.2)
+        raise RuntimeError("constructor failed")""")
+    ref = str(TASKS / "1_ReLU.py")
+    with Evaluator(cfg()) as ev:
+        results = ev.evaluate_many([(ref, leaver), (ref, LEGIT_RELU), (ref, LEGIT_RELU)])
+    assert results[0].verdict == "runtime_error", (results[0].verdict, results[0].error)
+    assert [r.verdict for r in results[1:]] == ["correct", "correct"], [(r.verdict, r.error) for r in results]
+
+
+def test_a_candidates_files_are_gone_before_the_next_candidate_runs(tmp_path):
+    """Disk held by a group is one runner's at a time: each runner's directory goes with its turn."""
+    import glob
+    import tempfile
+    import uuid
+    from tests.test_evaluator import LEGIT_RELU, relu_candidate
+    tag = uuid.uuid4().hex
+    first = relu_candidate("return launch(x)", extra=f"open('first_{tag}', 'w').write('x' * 4096)\n")
+    second = relu_candidate("return launch(x)", extra="import time\n", init=f"""def __init__(self):
+        super().__init__()
+        open('second_{tag}', 'w').close()
+        time.sleep(2)""")
+    pattern = os.path.join(tempfile.gettempdir(), "drk_job_*", "runner*", "{}_" + tag)
+    seen: list[list[str]] = []
+
+    def watch():
+        end = time.monotonic() + 120
+        while not glob.glob(pattern.format("second")) and time.monotonic() < end:
+            time.sleep(0.05)
+        seen.append(glob.glob(pattern.format("first")))
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    ref = str(TASKS / "1_ReLU.py")
+    with Evaluator(cfg()) as ev:
+        results = ev.evaluate_many([(ref, first), (ref, second), (ref, LEGIT_RELU)])
+    watcher.join()
+    assert [r.verdict for r in results] == ["correct"] * 3, [(r.verdict, r.error) for r in results]
+    assert seen == [[]], "the first candidate's files were still there during the second one's turn"
+
+
+def test_a_job_that_ends_without_an_answer_is_judged_again_one_candidate_a_job(monkeypatch):
+    """No candidate takes the ending of a whole group's job: each is judged again in its own."""
+    from tests.test_evaluator import LEGIT_RELU
+    with Evaluator(cfg()) as ev:
+        run = ev.pool.run
+
+        def groups_time_out(target, kwargs=None, **kw):
+            if len((kwargs or {}).get("candidate_paths", ())) > 1:
+                return SandboxResult(status="timeout", error="wall-clock timeout")
+            return run(target, kwargs, **kw)
+        monkeypatch.setattr(ev.pool, "run", groups_time_out)
+        ref = str(TASKS / "1_ReLU.py")
+        results = ev.evaluate_many([(ref, LEGIT_RELU), (ref, LEGIT_RELU + "# another text: not deduplicated\n")])
+    assert [r.verdict for r in results] == ["correct", "correct"], [(r.verdict, r.error) for r in results]
+
+
 # ---- the lock and memory files and other jobs' files are out of reach --------------------------
 
 def test_a_runner_can_neither_take_a_gpu_lock_nor_list_other_jobs(monkeypatch):

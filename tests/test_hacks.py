@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from drkernel import integrity
 from drkernel.evaluator import EvalConfig
 from tests.test_evaluator import EMBED, LEGIT_RELU, TASKS, cfg, relu_candidate, run, shared_evaluate
 
@@ -406,3 +407,15 @@ def test_a_sparse_output_is_a_bad_output_type_not_a_crash_of_the_evidence_code()
     lacks: the candidate was `runtime_error` "forward raised" from the evaluator's own code."""
     r = run("1_ReLU.py", relu_candidate("return launch(x).to_sparse()"))
     assert_hack(r, "bad_output_type")
+
+
+@pytest.mark.parametrize("snippet", [
+    "import signal\nsignal.signal(signal.SIGUSR2, handler)",  # a handler is handed the running frame
+    "from operator import attrgetter\nup = attrgetter('f_' + 'back')",
+    "import operator\nup = operator.methodcaller(name)",
+    "name = 'f_' + 'back'\nup = getattr(frame, name)",
+    "import bdb", "import cProfile", "import faulthandler",  # debuggers and profilers get frames
+    "import pickle", "payload = b'csys\\n_getframe\\n'",  # objects rebuilt from data
+])
+def test_the_source_scan_finds_the_routes_to_the_runners_frames(snippet):
+    assert "reference_access" in {code for code, _ in integrity.static_scan(snippet)}, snippet
