@@ -153,7 +153,8 @@ def _siblings_along(root: str, hidden: str) -> set[str]:
 
 def _allow_reading(libc, ruleset: int, hidden: list[str]) -> None:
     """Read rights everywhere but beneath `hidden`; the Python path stays readable wherever it is."""
-    keep = [p for p in (*sys.path, sys.prefix, sys.exec_prefix) if p and os.path.isdir(p)]
+    keep = [p for p in (*sys.path, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)
+            if p and os.path.isdir(p)]
     for path in readable_roots(hidden) | {os.path.realpath(p) for p in keep}:
         _allow(libc, ruleset, path, _READ_FILE | (_READ_DIR if os.path.isdir(path) else 0))
 
@@ -287,13 +288,23 @@ def _own_process_only(report: Confinement) -> None:
     report.own_process_only = True
 
 
+# the host's secrets a root runner could otherwise read (capabilities dropped, it is still uid 0)
+_HOST_SECRETS = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/sudoers", "/etc/sudoers.d",
+                 "/etc/ssh")
+
+
 def hidden_dirs(workdir: str | None = None) -> list[str]:
     """What a runner may not read: every job's files (the temporary directory they live in, the
-    parent of `workdir`) and the GPU lock directory."""
+    parent of `workdir`), the GPU lock directory, the user's home (tokens, keys, other runs; the
+    Python path beneath it stays readable) and the host's secrets."""
     import tempfile
 
     from drkernel.gpushare import lock_dir
-    return [os.path.dirname(os.path.realpath(workdir)) if workdir else tempfile.gettempdir(), lock_dir()]
+    hidden = [os.path.dirname(os.path.realpath(workdir)) if workdir else tempfile.gettempdir(), lock_dir()]
+    home = os.path.realpath(os.path.expanduser("~"))
+    if home != "/" and os.path.isdir(home):
+        hidden.append(home)
+    return hidden + [p for p in _HOST_SECRETS if os.path.lexists(p)]
 
 
 def probe() -> dict:

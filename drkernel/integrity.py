@@ -42,8 +42,12 @@ _REACH_ATTRS = {"__globals__", "__closure__", "__subclasses__", "__code__", "cel
                 "__mro__", "__base__", "__loader__", "__self__", "__func__", "__wrapped__", "__getattribute__",
                 "getclosurevars", "getmodule", "getmembers", "getattr_static", "unwrap",
                 "attrgetter", "methodcaller"}
+# private torch names that tell which modes are on: how a call checked with the data-flow log
+# (a dispatch mode) or profiled differs from a timed one
+_MODE_WORDS = ("dispatch", "torch_function", "profiler_enabled", "profiler_type")
 _THREAD_MODULES = {"threading", "_thread", "concurrent", "multiprocessing", "asyncio", "subprocess"}
-_PATCH_STRINGS = {"torch.library", "Library", "_dispatch", "impl_abstract", "register_kernel",
+_PATCH_STRINGS = {"torch.library", "Library", "_dispatch", "impl_abstract", "register_kernel", "pre_run_hooks",
+                  "add_pre_run_hook",
                   "__torch_function__", "__torch_dispatch__", "settrace", "setprofile"}
 
 
@@ -115,6 +119,10 @@ def _attribute_findings(node: ast.Attribute) -> list[tuple[str, str]]:
         out.append(("reference_access", d))
     if (node.attr in ("stack", "trace") and d.startswith("inspect.")) or d in ("sys.modules", "sys._current_frames"):
         out.append(("reference_access", d))
+    if node.attr.startswith("_") and any(w in node.attr for w in _MODE_WORDS):
+        out.append(("reference_access", f"{d} (reads the evaluator's own dispatch, function or profiler modes)"))
+    if node.attr in ("add_pre_run_hook", "pre_run_hooks"):
+        out.append(("patched_function", f"{d} (candidate Python inside Triton's launch)"))
     if d in ("sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile"):
         out.append(("global_state_changed", d))
     if d.startswith(("torch.library", "torch._C._dispatch", "torch.overrides", "torch.utils._python_dispatch",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+_QUALNAME = type.__dict__["__qualname__"].__get__  # type's own slot: no metaclass property answers
 MAX_LAUNCHES = 2048  # a level-3 forward launches a few hundred; past this only the count is kept
 
 
@@ -29,19 +30,21 @@ def describe(launches: list[tuple[str, tuple, dict]], key, input_keys: list[int]
     roles.update({k: f"out{i}" for i, k in enumerate(output_keys)})
     out = []
     for name, grid, args in launches[:MAX_LAUNCHES]:
-        out.append([f"{name}{tuple(grid)}", *(_arg(p, v, key, roles, torch.Tensor) for p, v in args.items())])
+        out.append([f"{name}{tuple(grid)}", *(_arg(p, v, key, roles, (torch.Tensor, torch.nn.Parameter))
+                                              for p, v in args.items())])
     if len(launches) > MAX_LAUNCHES:
         out.append([f"... {len(launches)} launches"])
     return out
 
 
-def _arg(param: str, v: Any, key, roles: dict, tensor: type) -> str:
-    # strings, not nested lists: a pattern is built for every call and strings cost the collector nothing
-    if isinstance(v, tensor):
+def _arg(param: str, v: Any, key, roles: dict, tensors: tuple[type, ...]) -> str:
+    # strings, not nested lists: a pattern is built for every call and strings cost the collector nothing.
+    # Exact types only: a subclass's own `__repr__` or `stride` would describe it as it likes
+    if type(v) in tensors:
         return f"{param}=T:{v.dtype}:{tuple(v.shape)}:{v.stride()}:{roles.get(key(v), 'own')}"
-    if v is None or isinstance(v, (bool, int, float, str)):
+    if type(v) in (bool, int, float, str, type(None)):
         return f"{param}=S:{v!r}"
-    return f"{param}=O:{type(v).__name__}"
+    return f"{param}=O:{_QUALNAME(type(v))}"
 
 
 def split(sig: Any) -> tuple[tuple, tuple[str, ...]]:

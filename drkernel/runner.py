@@ -38,6 +38,8 @@ from drkernel import channel, compare, confine, dataflow, integrity, ipc, launch
 from drkernel.channel import evidence_digest
 
 _perf = time.perf_counter  # bound before any candidate code exists
+CANDIDATE_MODULE = "_drk_candidate"
+_PLAIN_ARGUMENTS = (int, float, bool, str, type(None))  # exact types: a subclass may carry methods
 
 
 def _caller_code():
@@ -66,6 +68,7 @@ class LaunchRecorder:
 
     def __init__(self, candidate_file: str):
         self.candidate_file = os.path.realpath(candidate_file)
+        self.candidate_names = frozenset((candidate_file, self.candidate_file))  # as its code objects name it
         # (kernel, grid, arguments by parameter); it also keeps the launched tensors alive until the
         # call ends (a freed kernel buffer cannot be handed to a torch-made output)
         self.launches: list[tuple[str, tuple, dict]] = []
@@ -112,6 +115,9 @@ class LaunchRecorder:
         if _caller_code() is not _hook_code(self._wrap) or not any(orig is o for o in self.originals):
             raise RuntimeError("the launch recorder is entered through Triton's launch only")
         bound = self._bind(kernel, args, kwargs)
+        refused = self._refused(kernel, bound)
+        if refused:
+            raise RuntimeError(f"launch of {kernel.fn.__name__} refused: {refused}")
         grid = concrete_grid(grid, bound)
         real = bool(grid) and all(g > 0 for g in grid)
         if self.flow is not None:
@@ -126,6 +132,27 @@ class LaunchRecorder:
         if real:
             self._record(kernel, bound, grid, changed)
         return ret
+
+    def _refused(self, kernel, bound: dict) -> str | None:
+        """Why a launch may not run: candidate Python inside Triton's launch (a pre-run hook, a
+        method of an argument's class, a tensor subclass) would run where the data-flow log is
+        paused and the launch's own checksums are taken."""
+        import torch
+        if getattr(kernel, "pre_run_hooks", None):
+            return "it has pre-run hooks"
+        for param, v in bound.items():
+            cls = type(v)
+            if cls in _PLAIN_ARGUMENTS or cls is torch.Tensor or cls is torch.nn.Parameter:
+                continue
+            if isinstance(v, torch.Tensor):
+                return f"argument {param} is a tensor subclass ({cls.__name__})"
+            if any(self._candidate_function(f) for klass in cls.__mro__ for f in vars(klass).values()):
+                return f"argument {param} is of a class with the candidate's own methods ({cls.__name__})"
+        return None
+
+    def _candidate_function(self, f) -> bool:
+        code = getattr(getattr(f, "__func__", f), "__code__", None)  # classmethod, staticmethod
+        return code is not None and code.co_filename in self.candidate_names
 
     @staticmethod
     def _sums(bound: dict) -> list:
@@ -249,7 +276,7 @@ class Runner:
         self.null = None  # null calls end where a model begins: the stand-in's memory goes back
         try:
             with torch.no_grad():
-                mod = import_file(self.candidate, "_drk_candidate")
+                mod = import_file(self.candidate, CANDIDATE_MODULE)
         except BaseException as exc:  # noqa: BLE001 - any failure of untrusted code is a verdict
             return {"error": _describe(exc), "stage": "import"}
         cls = getattr(mod, name, None)
@@ -299,6 +326,8 @@ class Runner:
         self.last_launches = (launches, [self.keys.key(t) for t in compare.tensors(out)])
         reply = {"ms": ms, "launches": len(launches), "kernels": sorted({name for name, _, _ in launches}),
                  **self._commit(out)}
+        if "mismatch" not in reply:  # every call: a view of the arena skips the copy into the slot
+            reply["output_in_arena"] = self._in_arena(out)
         if rows is not None:
             reply["profile"] = {"rows": rows}
         if self.device.type == "cuda":
@@ -357,6 +386,11 @@ class Runner:
         except (TypeError, ValueError):
             return {"mismatch": "an output value is neither a tensor nor a plain value"}
 
+    def _in_arena(self, out) -> bool:
+        """An output tensor lies in the judge's arena (an input, its own output slot)."""
+        return self.keys.arena is not None and compare.overlap(compare.data_ranges(compare.tensors(out)),
+                                                               [self.keys.arena])
+
     def _facts(self, out, flow: dataflow.FlowLog) -> dict:
         """What only this process can see: types, storage sharing and the data-flow log."""
         outs = compare.tensors(out)
@@ -413,7 +447,7 @@ class Runner:
 # the launch names or the data-flow log is replaced as it should be)
 _RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "structure", "snapshot", "watched",
                  "threads0", "generators", "job_dir", "candidate", "report")
-_RECORDER_FIXED = ("candidate_file", "_mine", "_signatures", "installed", "expected_stream", "originals")
+_RECORDER_FIXED = ("candidate_file", "candidate_names", "_mine", "_signatures", "installed", "expected_stream", "originals")
 
 
 def _describe_objects(objects: dict[str, tuple[Any, tuple[str, ...]]]) -> str:
@@ -570,7 +604,7 @@ def preflight(candidate_path: str, hidden: list[str]) -> dict:
     if not report.complete:
         return {"skipped": "could not be confined"}
     try:
-        import_file(candidate_path, "_drk_candidate")
+        import_file(candidate_path, CANDIDATE_MODULE)
     except BaseException as exc:  # noqa: BLE001 - any failure of untrusted code is data
         frames = traceback.extract_tb(exc.__traceback__)
         here = bool(frames) and os.path.realpath(frames[-1].filename) == os.path.realpath(candidate_path)

@@ -611,6 +611,19 @@ def _zygote_job(job: dict, pipe_fds: tuple[int, int]) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# What of the caller's environment the fork server, and so every job and its candidate code, gets:
+# what Python, the C compiler, CUDA, Triton and torch read; never the rest (API keys, tokens).
+_ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "TERM", "CC", "CXX",
+                        "VIRTUAL_ENV", "LIBRARY_PATH", "CPATH", "C_INCLUDE_PATH"})
+_ENV_PREFIXES = ("PYTHON", "LC_", "LD_", "CUDA", "NVIDIA_", "TRITON_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_",
+                 "OPENBLAS_", "CUBLAS", "CUDNN_", "NCCL_", "CONDA_", "DRKERNEL_", "XDG_")
+
+
+def _inherited_environment(environ) -> dict[str, str]:
+    """The variables of `environ` a sandbox inherits (`_ENV_NAMES`, `_ENV_PREFIXES`)."""
+    return {k: v for k, v in environ.items() if k in _ENV_NAMES or k.startswith(_ENV_PREFIXES)}
+
+
 def _zygote_main() -> None:
     """Entry of ``python -m drkernel.sandbox --zygote``: preload, then serve jobs until EOF."""
     rfd, wfd = os.dup(0), os.dup(1)
@@ -698,7 +711,7 @@ class ForkServer:
 
     def _start(self) -> None:
         self._stop()
-        env = dict(os.environ)
+        env = _inherited_environment(os.environ)
         env.update(self.env)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (self.env.get("PYTHONPATH"), _PROJECT_ROOT,
                                                         os.environ.get("PYTHONPATH")) if p)

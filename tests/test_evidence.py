@@ -495,6 +495,20 @@ def test_launch_patterns_are_learnt_from_checked_calls_and_required_of_the_other
         p.allows([["k(4,)", 5]])
 
 
+def test_a_launch_pattern_describes_arguments_by_their_exact_type():
+    """A subclass's own repr or stride cannot make it look like the checked calls' argument."""
+    import torch
+    from drkernel import launch_pattern
+
+    class Shown(int):
+        def __repr__(self):
+            return "4096"
+    weight = torch.nn.Parameter(torch.ones(2, 3))
+    (described,) = launch_pattern.describe([("k", (4,), {"n": Shown(0), "m": 4096, "w": weight})], id, [], [])
+    assert described == ["k(4,)", "n=O:test_a_launch_pattern_describes_arguments_by_their_exact_type.<locals>.Shown",
+                         "m=S:4096", "w=T:torch.float32:(2, 3):(3, 1):own"]
+
+
 def test_recorded_launches_the_device_never_ran_are_a_forged_record():
     j = _flow_judge()
     j.last_launches = {"scratch_kernel": 2, "helper": 1}
@@ -518,9 +532,19 @@ def test_a_profile_that_disagrees_with_the_checked_calls_is_not_believed():
     assert judge._profile_doubt(j, summary, honest, wall_ms=10.0 * calls) is None
     busier = [("scratch_kernel", 50 * calls, 900.0 * calls)]
     assert "launched" in judge._profile_doubt(j, summary, busier, wall_ms=10.0 * calls)
-    slower = [("scratch_kernel", calls, 5000.0 * calls)]
-    assert "timed calls" in judge._profile_doubt(j, summary, slower, wall_ms=100.0 * calls)
     assert "claim" in judge._profile_doubt(j, summary, honest, wall_ms=0.5)
+
+
+def test_own_kernels_busier_a_profiled_call_than_a_whole_timed_call_mean_the_timed_calls_ran_less():
+    """A candidate that runs its kernels where it is checked or profiled and something faster where
+    it is timed: its profiled kernel time cannot fit in its timed calls."""
+    j = _flow_judge()
+    j.out.candidate_ms = 1.0
+    calls = judge._PROFILED_CALLS
+    judge._timed_calls_ran_them(j, [("scratch_kernel", calls, 900.0 * calls), ("ampere_sgemm", calls, 5e4)])
+    assert j.out.hacks == []  # its own kernels fit; torch's are not its own
+    judge._timed_calls_ran_them(j, [("scratch_kernel", calls, 5000.0 * calls)])
+    assert j.out.hacks == ["launch_pattern_changed"] and "timed calls" in j.details["hack_details"][0]
 
 
 def test_a_changed_scheduling_of_the_twin_is_caught_and_undone():

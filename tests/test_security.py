@@ -285,3 +285,38 @@ def test_a_confined_process_cannot_change_another_process():
     the reference's timing process, the other runners) cannot be changed; its own still can."""
     got = _in_a_child(_confined_scheduling_changes, os.getpid())
     assert got == "[True, False, False, False, True, True]", got
+
+
+def test_a_candidate_reads_neither_the_callers_secrets_nor_the_hosts(monkeypatch):
+    """The fork server inherits only what Python, the compilers, CUDA, Triton and torch read (no
+    token in the environment, /proc/self/environ included); the user's home (beyond the Python
+    path) and the host's secrets are out of the runner's reach."""
+    import uuid
+    token = uuid.uuid4().hex
+    monkeypatch.setenv("DRK_TEST_API_TOKEN", token)
+    home_file = os.path.join(os.path.realpath(os.path.expanduser("~")), f".drk_test_secret_{token}")
+    with open(home_file, "w") as fh:
+        fh.write(token)
+    probe = f"""
+    def _read(path):
+        try:
+            with open(path, "rb") as fh:
+                return fh.read().decode("latin-1")
+        except OSError as exc:
+            return "denied " + type(exc).__name__
+    print("ENV", dict(os.environ))
+    print("PROC", _read("/proc/self/environ"))
+    print("HOME", _read({home_file!r}))
+    print("SHADOW", _read("/etc/shadow")[:40])
+    """
+    cand = relu_candidate("return launch(x)", extra="import os\n" + textwrap.dedent(probe))
+    try:
+        with Evaluator(cfg()) as ev:
+            r = ev.evaluate(str(TASKS / "1_ReLU.py"), cand)
+    finally:
+        os.unlink(home_file)
+    assert r.verdict == "correct", (r.verdict, r.error)
+    assert "ENV" in r.stdout and "PATH" in r.stdout and token not in r.stdout, r.stdout
+    assert "HOME denied" in r.stdout, r.stdout
+    if os.path.exists("/etc/shadow"):
+        assert "SHADOW denied" in r.stdout, r.stdout
