@@ -469,9 +469,24 @@ def limits(cls: type) -> dict[str, Limit | OneOf]:
 
 
 def limit_problems(cfg: Any) -> list[str]:
-    """One sentence per setting of `cfg` outside its limit (empty: all fine)."""
-    found = (limit.problem(name, getattr(cfg, name)) for name, limit in limits(type(cfg)).items())
+    """One sentence per setting of `cfg` of another type than its field's or outside its limit
+    (empty: all fine)."""
+    hints = typing.get_type_hints(type(cfg))
+    found = (_type_problem(name, getattr(cfg, name), hints.get(name)) or limit.problem(name, getattr(cfg, name))
+             for name, limit in limits(type(cfg)).items())
     return [p for p in found if p]
+
+
+def _type_problem(name: str, value: Any, hint: Any) -> str | None:
+    """Why `value` is not of the type `hint` declares (int, float, str, bool, each `| None`), if it
+    is not: a library caller's `trials=2.5` or `timeout="30"` is refused here, not deep in a job."""
+    kinds = tuple(k for k in (typing.get_args(hint) or (hint,)) if k in (int, float, str, bool, type(None)))
+    if not kinds:
+        return None
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    ok = ok or (float in kinds and type(value) is int)
+    names = " or ".join("None" if k is type(None) else k.__name__ for k in kinds)
+    return None if ok else f"{name} must be {names}, got {value!r}"
 
 
 def int_list(text: str, name: str) -> list[int]:

@@ -89,8 +89,13 @@ def _read(src: str | os.PathLike) -> tuple[str, str | None]:
     if "\n" not in s and os.path.isfile(s):
         return Path(s).read_bytes().decode("utf-8", "replace"), s
     if "\n" not in s and (os.path.isdir(s) or s.strip().endswith(".py")):  # a path, not one line of code
-        raise FileNotFoundError(f"{'not a file' if os.path.isdir(s) else 'no such file'}: {s}")
+        raise FileNotFoundError(_not_a_file(s))
     return s, None
+
+
+def _not_a_file(path: str) -> str:
+    """What is wrong with a path that is not a regular file (a directory, a FIFO, a device)."""
+    return f"not a regular file: {path}" if os.path.lexists(path) else f"no such file: {path}"
 
 
 def _static_checks(cand_code: str, cfg: EvalConfig) -> EvalResult | None:
@@ -267,9 +272,11 @@ def _text(src: Any) -> str:
     if not isinstance(src, (str, os.PathLike)):
         return ""
     try:
-        return _read(src)[0]
+        text = _read(src)[0]
     except OSError:  # the path itself: read again for its item alone, it is that item's verdict
-        return os.fspath(src)
+        text = os.fspath(src)
+    # a lone surrogate (JSON can carry one) cannot be written, hashed or parsed: U+FFFD like bad bytes
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 def _pair(item: Any) -> tuple[Any, Any]:
@@ -443,6 +450,8 @@ class Evaluator:
         self.cfg = cfg or EvalConfig()
         if problems := limit_problems(self.cfg):  # as the scripts check it: before any process starts
             raise ConfigError("EvalConfig: " + "; ".join(problems))
+        if problem := _device_problem(self.cfg.device):  # not every candidate's runtime_error
+            raise DeviceError(problem)
         self.reward_config = reward_config
         self.group_size = max(1, int(group_size))
         env = _sandbox_env(self.cfg.device)
@@ -741,7 +750,7 @@ def _parse(argv: list[str]) -> _Command:
         p.error(str(exc))
     for flag, path in (("--reference", a.reference), ("--candidate", a.candidate)):
         if not os.path.isfile(path):
-            p.error(f"{flag}: no such file: {path}")
+            p.error(f"{flag}: {_not_a_file(path)}")
     if problem := cache_dir_problem("--cache_dir", a.cache_dir):
         p.error(problem)
     cfg = EvalConfig(**{opt.name: getattr(a, opt.name) for opt in _OPTIONS})

@@ -215,15 +215,13 @@ def gen_inputs(r: Reference, seed: int, signed: bool = False) -> list:
     ReLU(x) = x and other shortcuts pass)."""
     import torch
     torch.manual_seed(seed)
-    try:
+    with _reference_fails("the reference's get_inputs() failed"):
         if r.cuda:
             torch.cuda.manual_seed_all(seed)
             with torch.device(r.device):
                 inputs = list(r.ref_mod.get_inputs())
         else:
             inputs = list(r.ref_mod.get_inputs())
-    except Exception as exc:
-        raise Stop("reference_error", exception_text("the reference's get_inputs() failed", exc)) from None
     inputs = compare.map_tensors(inputs, lambda t: t.to(r.device))
     if signed:
         _redraw_signed(inputs, torch.Generator(device=r.device).manual_seed(seed + 7919))
@@ -259,14 +257,11 @@ def run_reference(r: Reference, inputs: list, seed: int):
     seeded with the call's seed, as the runner seeds it before the candidate's forward: a
     reference in training mode (KernelBench's dropout problems) then draws the same mask."""
     import torch
-    try:
-        with torch.no_grad():
-            model = copy.deepcopy(r.template)
-            torch.manual_seed(seed)
-            out = model(*inputs)
+    with _reference_fails("the reference failed"), torch.no_grad():
+        model = copy.deepcopy(r.template)
+        torch.manual_seed(seed)
+        out = model(*inputs)
         _sync(r.device)
-    except Exception as exc:
-        raise Stop("reference_error", exception_text("the reference failed", exc)) from None
     return out
 
 
@@ -481,20 +476,16 @@ def setup(r: Reference) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    try:
-        from drkernel.runner import import_file
+    from drkernel.runner import import_file
+    with _reference_fails("the reference failed to import"):
         r.ref_mod = import_file(r.reference_path, "_drk_judge_reference")
-    except (Exception, SystemExit) as exc:  # a reference that exits while imported is still the reference's fault
-        raise Stop("reference_error", exception_text("the reference failed to import", exc)) from None
     if r.cuda:  # memory first: waiting for it while holding the GPU lock could deadlock
         _warm_up_comparisons(r)
         _reserve_memory(r)
         _lock_gpu(r)
     with _shared(r):
-        try:
+        with _reference_fails("the reference failed to build"):
             r.template = _build_reference(r)
-        except Exception as exc:
-            raise Stop("reference_error", exception_text("the reference failed to build", exc)) from None
         warm = gen_inputs(r, r.seed)
         ref_out, r.ref_mutates = _first_reference_run(r, warm, r.seed)
     if ref_out is None:  # a forward that returns nothing: no candidate can be judged against it
@@ -1377,6 +1368,18 @@ def _verdict(j: Judge, started: float) -> dict:
     j.out.stderr = j.runner.output("stderr", 2000)
     j.out.wall_s = _perf() - started
     return json.loads(json.dumps(j.out.to_dict(), default=repr))
+
+
+@contextlib.contextmanager
+def _reference_fails(what: str):
+    """Whatever the reference's own code raises inside is the reference's failure (its SystemExit
+    or KeyboardInterrupt too), never the candidate's; the judge's own deadline passes through."""
+    try:
+        yield
+    except _ReferenceTooSlow:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - a task file is input, whatever it raises
+        raise Stop("reference_error", exception_text(what, exc)) from None
 
 
 class _ReferenceTooSlow(BaseException):

@@ -178,7 +178,7 @@ def test_os_exit_crashes():
 
 def test_segfault_crashes():
     # ctypes is flagged by the static scan, so reach it through a runtime import name
-    r = run("1_ReLU.py", relu_candidate("import signal, os\nos.kill(os.getpid(), signal.SIGSEGV)"))
+    r = run("1_ReLU.py", relu_candidate("import os\nos.kill(os.getpid(), 11)  # SIGSEGV (the signal module is a static finding)"))
     assert r.verdict == "crashed" and "SIGSEGV" in r.error
 
 
@@ -385,14 +385,18 @@ def test_a_batch_item_that_is_no_source_fails_alone():
     ref = str(TASKS / "1_ReLU.py")
     assert shared_evaluate(ref, LEGIT_RELU, cfg()).verdict == "correct"
     evaluator = _SHARED[0][1]
-    results = evaluator.evaluate_many([(ref, None), (ref, 5), (ref, LEGIT_RELU.encode())])
-    assert [r.verdict for r in results] == ["compile_error", "compile_error", "correct"]
+    results = evaluator.evaluate_many([(ref, None), (ref, 5), (ref, LEGIT_RELU.encode()),
+                                       (ref, LEGIT_RELU + "# a lone surrogate from a JSON reply: \udcff\n")])
+    assert [r.verdict for r in results] == ["compile_error", "compile_error", "correct", "correct"]
     with pytest.raises(TypeError, match=r"takes \(reference, candidate\) pairs"):
         evaluator.evaluate_many([(ref,)])
 
 
 @pytest.mark.parametrize("bad, says", [({"trials": 0}, r"trials must be in \[1, 1000\]"), ({"device": "tpu"}, "device must be"),
-                                       ({"timeout": float("nan")}, "timeout must be a finite number")])
+                                       ({"timeout": float("nan")}, "timeout must be a finite number"),
+                                       ({"trials": 2.5}, "trials must be int, got 2.5"),
+                                       ({"warmup": None}, "warmup must be int, got None"),
+                                       ({"timeout": "30"}, "timeout must be float, got '30'")])
 def test_an_evaluator_with_a_setting_out_of_its_limits_is_refused_before_it_starts(bad, says):
     """The limits the scripts check hold for library callers too: one clear error, not a
     `crashed` verdict from inside the sandbox for every candidate."""
@@ -400,6 +404,14 @@ def test_an_evaluator_with_a_setting_out_of_its_limits_is_refused_before_it_star
 
     with pytest.raises(ConfigError, match=f"^EvalConfig: {says}"):
         Evaluator(EvalConfig(**bad))
+
+
+def test_an_evaluator_for_a_gpu_this_machine_lacks_is_refused_before_it_starts(monkeypatch):
+    from drkernel.evaluator import DeviceError
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DeviceError, match="no GPU is visible"):
+        Evaluator(EvalConfig(device="cuda"))
 
 
 def test_the_detailed_comparison_holds_a_few_chunks_whatever_the_output_size(monkeypatch):
@@ -430,7 +442,7 @@ def test_a_path_that_does_not_exist_is_its_items_error_not_source_text(tmp_path)
         [(Path(tmp_path / "nope.py"), LEGIT_RELU), (ok, str(tmp_path / "cand.py")), (ok, str(tmp_path)),
          (ok, LEGIT_RELU)], cfg())
     assert r_missing.verdict == c_missing.verdict == c_dir.verdict == "runtime_error"
-    assert "no such file" in r_missing.error and "no such file" in c_missing.error and "not a file" in c_dir.error
+    assert "no such file" in r_missing.error and "no such file" in c_missing.error and "not a regular file" in c_dir.error
     assert good.verdict == "correct", good.error
 
 
@@ -441,7 +453,11 @@ def test_references_that_exit_or_return_none_are_reference_errors():
     exits = "import sys\nsys.exit(3)\n" + code
     none = code.replace("return torch.relu(x)", "torch.relu(x)\n        return None")
     assert none != code
-    for ref in (exits, none):
+    # whatever its get_inputs or forward raises, SystemExit and KeyboardInterrupt included
+    inputs_exit = code.replace("def get_inputs():", "def get_inputs():\n    raise SystemExit(0)")
+    forward_interrupt = code.replace("return torch.relu(x)", "raise KeyboardInterrupt")
+    assert inputs_exit != code and forward_interrupt != code
+    for ref in (exits, none, inputs_exit, forward_interrupt):
         r = shared_evaluate_many([(ref, LEGIT_RELU)], cfg())[0]
         assert r.verdict == "reference_error", (r.verdict, r.error)
 

@@ -4,6 +4,7 @@ end-to-end run."""
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,10 @@ def test_missing_file_is_a_usage_error(fake, tmp_path, capsys):
     missing = str(tmp_path / "missing.py")
     assert evaluator.main(["--reference", str(REFERENCE), "--candidate", missing, "--device", "cpu", "--json"]) == 2
     assert "no such file" in last_json(capsys.readouterr().out)["error"]
+    os.mkfifo(tmp_path / "fifo.py")
+    for odd in (tmp_path, tmp_path / "fifo.py"):  # there, but not a file to read
+        assert evaluator.main(["--reference", str(REFERENCE), "--candidate", str(odd), "--device", "cpu", "--json"]) == 2
+        assert "not a regular file" in last_json(capsys.readouterr().out)["error"]
     assert fake.configs == []
 
 
