@@ -55,6 +55,7 @@ from drkernel.generation import GenerationConfig, GenOutput
 
 TRANSIENT_HTTP = (408, 425, 429)  # and every 5xx
 FATAL_HTTP = (401, 403, 404)  # wrong key, URL or model: no request can succeed
+READ_CHUNK = 65536  # bytes of a reply read at a time (between checks of the request's deadline)
 
 
 class ApiError(RuntimeError):
@@ -70,7 +71,7 @@ class ApiConfig:
     base_url: str = ""  # e.g. http://localhost:8000/v1 (vLLM, SGLang, any OpenAI-compatible server)
     model: str = ""  # the served model's name
     api_key_env: str = "OPENAI_API_KEY"  # environment variable holding the key; unset: no auth header
-    timeout: float = 180.0  # seconds a request may wait for the server (per socket operation)
+    timeout: float = 180.0  # seconds a request may wait for the server, per socket operation and in all
     max_attempts: int = 5  # tries per request, the first included
     backoff_s: float = 2.0  # wait before the 2nd attempt; doubles after each, with jitter
     max_backoff_s: float = 60.0  # longest wait between attempts (a Retry-After is capped here too)
@@ -216,6 +217,18 @@ def _short(data: bytes | str, n: int = 200) -> str:
     return text if len(text) <= n else text[:n] + "..."
 
 
+def _read_by(resp: http.client.HTTPResponse, deadline: float) -> bytes:
+    """The whole body of `resp`, or TimeoutError once `deadline` (`time.monotonic()`) has passed:
+    the socket's timeout bounds each read only, so a server trickling a byte at a time would
+    otherwise hold the request forever."""
+    chunks = []
+    while chunk := resp.read1(READ_CHUNK):
+        chunks.append(chunk)
+        if time.monotonic() > deadline:
+            raise TimeoutError("the reply did not arrive in time")
+    return b"".join(chunks)
+
+
 class OpenAIChatClient:
     """POST /chat/completions, one completion per call, retrying transient failures."""
 
@@ -275,9 +288,10 @@ class OpenAIChatClient:
         return backoff * random.uniform(0.5, 1.0)  # jitter: concurrent requests do not retry in lockstep
 
     def _attempt(self, body: dict) -> Completion:
+        deadline = time.monotonic() + self.cfg.timeout
         try:
             with urllib.request.urlopen(self._request(body), timeout=self.cfg.timeout) as resp:
-                payload = resp.read()
+                payload = _read_by(resp, deadline)
         except urllib.error.HTTPError as exc:
             return self._http_error(exc)
         except (OSError, http.client.HTTPException) as exc:  # URLError, time-outs, resets, refusals
@@ -307,7 +321,7 @@ class OpenAIChatClient:
         try:
             choice = json.loads(payload)["choices"][0]
             text = choice["message"].get("content") or ""
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):  # e.g. [[[[...]]]]
             raise _Transient(f"the reply is not a chat completion: {_short(payload, 120)!r}") from None
         if not isinstance(text, str):
             raise _Transient(f"the reply's content is not text: {_short(repr(text), 120)}")

@@ -151,7 +151,9 @@ def verdict_settings(cfg: EvalConfig) -> dict:
 
 
 def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    """sha256 (hex) of `text`'s UTF-8 bytes. A lone surrogate (valid JSON, e.g. from an API reply)
+    is hashed as its own bytes: distinct texts keep distinct keys and no text raises here."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def cache_key(reference_code: str, candidate_code: str, cfg: EvalConfig, env: Mapping[str, str]) -> str:
@@ -193,6 +195,17 @@ def cacheable(result: EvalResult) -> bool:
 # The on-disk store
 # ======================================================================================
 
+def _copyable(data: dict) -> bool:
+    """Whether the stored result `data` survives `EvalResult.to_dict()`, which every result leaving
+    `evaluate_cached` passes through: `dataclasses.asdict` recurses, and JSON that parsed may still
+    nest too deeply for it."""
+    try:
+        EvalResult.from_dict(data).to_dict()
+    except RecursionError:
+        return False
+    return True
+
+
 @dataclasses.dataclass
 class CacheStats:
     hits: int = 0
@@ -219,12 +232,12 @@ class EvalCache:
         """The entry stored under `key`, or None when absent, unreadable or not ours."""
         try:
             entry = json.loads(self._file(key).read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # missing, half-written by a dead process, not UTF-8/JSON
+        except (OSError, ValueError, RecursionError):  # missing, half-written, not UTF-8/JSON, nested too deeply
             return None
         if not (isinstance(entry, dict) and entry.get("version") == CACHE_VERSION and entry.get("key") == key
                 and isinstance(entry.get("environment"), dict) and isinstance(entry.get("result"), dict)):
             return None
-        return entry if result_problem(entry["result"]) is None else None
+        return entry if result_problem(entry["result"]) is None and _copyable(entry["result"]) else None
 
     def get(self, key: str) -> EvalResult | None:
         """The stored result, marked `details["cached"] = True`, or None (a miss).

@@ -32,12 +32,12 @@ def json_safe(obj: Any) -> Any:
 
 def finite(x: Any) -> float | None:
     """A number read from a row or result as a finite float; None for anything else (missing,
-    text, a bool, NaN, ±inf)."""
+    text, a bool, NaN, ±inf, an integer beyond a float's range)."""
     if x is None or isinstance(x, bool):
         return None
     try:
         v = float(x)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return None
     return v if math.isfinite(v) else None
 
@@ -130,6 +130,8 @@ def _parse_line(lineno: int, raw: bytes) -> JsonlLine:
         return JsonlLine(lineno, None, f"not a JSON object ({exc.msg}: column {exc.colno})")
     except RecursionError:  # e.g. thousands of nested brackets
         return JsonlLine(lineno, None, "not a JSON object (nested too deeply)")
+    except ValueError:  # Python's limit on int-string conversion (4300 digits by default)
+        return JsonlLine(lineno, None, "not a JSON object (an integer with too many digits)")
     if not isinstance(row, dict):
         return JsonlLine(lineno, None, "not a JSON object")
     return JsonlLine(lineno, row)

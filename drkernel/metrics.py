@@ -53,6 +53,8 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence, Union
 from drkernel.jsonl import finite
 
 DEFAULT_P_VALUES = (0, 1, 1.2, 1.5, 2, 3)
+CURVE_STEP = 0.05  # the step between the p values of the default Fast@p curve
+CURVE_POINTS = 2000  # at most this many of them (p up to 99.95): one absurd speedup cannot blow the curve up
 
 
 class Result(Protocol):
@@ -132,10 +134,9 @@ def is_surely_fast(attempt: Attempt | None, p: float) -> bool:
     """Fast at p with the speedup's whole 95 % interval above p (`speedup_interval`)."""
     if not is_fast(attempt, p) or p <= 0:
         return is_fast(attempt, p)
-    try:
-        return float(attempt_value(attempt, "speedup_interval")[0]) > p
-    except (TypeError, ValueError, IndexError):
-        return False
+    interval = attempt_value(attempt, "speedup_interval")
+    low = finite(interval[0]) if isinstance(interval, (list, tuple)) and interval else None
+    return low is not None and low > p
 
 
 def _rank(row: dict | None) -> tuple:
@@ -176,7 +177,8 @@ def _block(chosen: Sequence[dict | None], attempts: Iterable[dict],
         out[fast_key(p)] = _share(n, sum(is_fast(r, p) for r in chosen))
         if intervals:
             out[interval_key(p)] = _share(n, sum(is_surely_fast(r, p) for r in chosen))
-    out["mean_speedup"] = sum(speedups) / len(speedups) if speedups else None
+    # each term divided first: the sum of huge finite speedups (1e308) would overflow to inf
+    out["mean_speedup"] = sum(s / len(speedups) for s in speedups) if speedups else None
     out["geomean_speedup"] = (math.exp(sum(math.log(s) for s in speedups) / len(speedups))
                               if speedups else None)
     out["num_with_speedup"] = len(speedups)
@@ -206,7 +208,7 @@ def _index(rows: Iterable[dict]) -> dict[tuple, dict]:
     for r in rows:
         try:
             by_key[row_key(r)] = r  # the last row of a key wins
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(inf)
             continue  # a row without a usable identity cannot belong to any unit
     return by_key
 
@@ -276,11 +278,12 @@ def fast_p_curve(rows: Iterable[dict], expected: Iterable[tuple[int, int]] | Non
                  ps: Sequence[float] | None = None) -> list[tuple[float, float]]:
     """Fast@p as a function of p (best-of-turns attempt per unit), for plotting.
 
-    `ps` defaults to 0..max(3, the largest speedup) in 0.05 steps."""
+    `ps` defaults to 0..max(3, the largest speedup) in `CURVE_STEP` steps, `CURVE_POINTS` at most."""
     rows = list(rows)
     if ps is None:
         top = max([s for s in (usable_speedup(r) for r in rows) if s is not None] + [3.0])
-        steps = min(2000, int(math.ceil(top / 0.05)) + 1)
-        ps = [round(i * 0.05, 10) for i in range(steps)]
+        top = min(top, CURVE_STEP * CURVE_POINTS)  # before dividing: 1e308 / 0.05 is inf
+        steps = min(CURVE_POINTS, math.ceil(top / CURVE_STEP) + 1)
+        ps = [round(i * CURVE_STEP, 10) for i in range(steps)]
     summary = summarize(rows, expected, samples, turns, p_values=tuple(ps))
     return [(float(p), summary[fast_key(p)]) for p in ps]

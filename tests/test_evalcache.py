@@ -66,6 +66,19 @@ def test_key_changes_with_either_program_and_every_fingerprint_field():
     assert len(base) == 64 and int(base, 16) >= 0
 
 
+def test_code_with_a_lone_surrogate_is_keyed_stored_and_found(tmp_path):
+    """A lone surrogate arrives inside valid JSON (an API reply, a JSONL row): hashed as it is."""
+    odd = CAND + "# \udcff\n"
+    keys = {cache_key(REF, CAND, EvalConfig(), ENV), cache_key(REF, odd, EvalConfig(), ENV),
+            cache_key(REF + "\udcff", CAND, EvalConfig(), ENV), cache_key(REF, CAND + "# \ufffd\n", EvalConfig(), ENV)}
+    assert len(keys) == 4
+    fake = FakeEvaluator()
+    for _ in range(2):
+        cache = EvalCache(tmp_path)
+        assert [r.verdict for r in evaluate_cached([(REF, odd)], EvalConfig(device="cpu"), fake, cache)] == ["correct"]
+    assert len(fake.calls) == 1 and cache.stats.hits == 1
+
+
 def test_key_changes_with_the_cache_version(monkeypatch):
     base = cache_key(REF, CAND, EvalConfig(), ENV)
     monkeypatch.setattr(evalcache, "CACHE_VERSION", evalcache.CACHE_VERSION + 1)
@@ -153,6 +166,9 @@ def test_hit_rate_without_lookups_is_zero():
     b'{"version": 1, "key": "KEY", "environment": {}, "result": {"verdict": "correct", "kernels": [1]}}',
     b'{"version": 1, "key": "other", "environment": {}, "result": {"verdict": "correct"}}',
     b'{"version": 0, "key": "KEY", "environment": {}, "result": {"verdict": "correct"}}',
+    pytest.param(b"[" * 100000 + b"]" * 100000, id="nested-past-the-parser"),
+    pytest.param(b'{"version": 1, "key": "KEY", "environment": {}, "result": {"verdict": "correct", "details": '
+                 b'{"x": ' + b"[" * 600 + b"]" * 600 + b"}}}", id="nested-past-to_dict"),
 ])
 def test_corrupted_entries_are_misses(tmp_path, content):
     cache = EvalCache(tmp_path)

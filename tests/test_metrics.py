@@ -150,6 +150,27 @@ def test_fast_p_curve():
     assert values == sorted(values, reverse=True)  # non-increasing in p
 
 
+@pytest.mark.parametrize("speedup", [1e308, math.inf, -math.inf, math.nan, -2.0, 0.0, 10 ** 400, "9" * 400],
+                         ids=["1e308", "inf", "-inf", "nan", "negative", "zero", "int-past-float", "text-past-float"])
+def test_any_speedup_is_summarized_and_plotted(speedup):
+    """A resumed or hand-edited row may hold any number: only finite positive speedups count."""
+    rows = [_row(1, pid, 0, 0, "correct", speedup) for pid in (1, 2)]
+    rows[0]["speedup_interval"] = [speedup, speedup]
+    s = metrics.summarize(rows, intervals=True)
+    usable = isinstance(speedup, float) and math.isfinite(speedup) and speedup > 0
+    assert s["correct_rate"] == 1.0 and s["fast_1"] == s["fast_1_interval"] * 2 == (1.0 if usable else 0.0)
+    means = [s["mean_speedup"], s["geomean_speedup"]]
+    assert means == ([pytest.approx(speedup)] * 2 if usable else [None, None])
+    curve = metrics.fast_p_curve(rows)
+    assert curve[0] == (0.0, 1.0) and curve[-1][0] == (99.95 if usable else 3.0)
+
+
+def test_a_row_whose_identity_is_no_number_is_ignored():
+    rows = [_row(1, 1, 0, 0, "correct", 2.0), {**_row(1, 2, 0, 0, "correct"), "level": math.inf},
+            {**_row(1, 3, 0, 0, "correct"), "sample": math.nan}, {**_row(1, 4, 0, 0, "correct"), "turn": "x"}]
+    assert metrics.summarize(rows)["num_samples"] == 1
+
+
 # ---------------------------------------------------------------------------- layouts
 
 def test_runs_layout(tmp_path):
