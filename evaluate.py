@@ -7,9 +7,10 @@
 
 The base configuration is the `EvaluateConfig` defaults; every `--key value` changes one setting
 (`--help` lists them) and the first line printed names the base and the changes. A bad option or
-value, a device this machine lacks or an unreadable candidates path stops the run with one
-`evaluate.py: error: ...` line (exit status 2); once the evaluation runs the status is 0,
-whatever the verdicts.
+value, a device this machine lacks, an unreadable candidates path or a path in --output_dir that
+cannot be written (`output_problems`: results.jsonl, the report's files) stops the run with one
+`evaluate.py: error: ...` line (exit status 2) before anything is evaluated; once the evaluation
+runs the status is 0, whatever the verdicts.
 
 Candidates: a directory in one of `drkernel.layouts`' layouts, or a `.jsonl` of generations
 (`level, problem_id, sample, turn, code`, generate.py's output). Bad input never stops the run:
@@ -51,6 +52,7 @@ import dataclasses
 import hashlib
 import os
 import sys
+import tempfile
 import time
 import typing
 from collections import Counter
@@ -64,6 +66,7 @@ from drkernel.evaltypes import VERDICTS
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl
 from drkernel.layouts import Candidate, LayoutError, Scan, Skipped, attempt_name, scan_candidates
+from drkernel.report import report_problems
 from drkernel.tasks import Task
 
 PROG = "evaluate.py"
@@ -100,8 +103,9 @@ class EvaluateConfig(TaskSelection):
                             "timeout": "timeout", "require_triton": "require_triton",
                             "cache_dir": "cache_dir", "baseline": "baseline",
                             "require_confinement": "require_confinement"}),)
-    LIMITS = {"trials": EvalConfig.LIMITS["trials"], "perf_trials": NON_NEGATIVE, "timeout": EvalConfig.LIMITS["timeout"], "workers": WORKERS,
-              "samples": COUNT, "chunk_size": NON_NEGATIVE}
+    # the values each setting accepts, beside those EvalConfig.LIMITS declares for the mirrored ones
+    # (drkernel.config: trials, perf_trials, timeout, ... through SHARED)
+    LIMITS = {"workers": WORKERS, "samples": COUNT, "chunk_size": NON_NEGATIVE}
 
     candidates: str = dataclasses.field(default="", metadata={
         "help": "directory (see drkernel/layouts.py) or .jsonl of generations; empty = bundled solutions"})
@@ -164,10 +168,13 @@ def check_config(cfg: EvaluateConfig) -> None:
 
 
 def output_problems(cfg: EvaluateConfig) -> list[str]:
-    """Why a directory evaluate.py writes cannot be used (`output_problem`): --output_dir, and
-    --cache_dir when one is given."""
-    found = [output_problem("--output_dir", cfg.output_dir, is_dir=True),
-             cache_dir_problem("--cache_dir", cfg.cache_dir)]
+    """Why a path evaluate.py writes cannot be used (`output_problem`): --output_dir with its
+    results file and report, and --cache_dir when one is given; checked before any work, as the
+    report is written last."""
+    found = report_problems("--output_dir", cfg.output_dir)
+    if not found:
+        found.append(output_problem("--output_dir", str(Path(cfg.output_dir) / RESULTS_FILE)))
+    found.append(cache_dir_problem("--cache_dir", cfg.cache_dir))
     return [p for p in found if p]
 
 
@@ -217,7 +224,7 @@ class Attempt:
     @property
     def candidate_sha(self) -> str | None:
         code = self.candidate.code
-        return None if code is None else hashlib.sha256(code.encode()).hexdigest()[:16]
+        return None if code is None else hashlib.sha256(code.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 @dataclasses.dataclass
@@ -552,8 +559,9 @@ def evaluate_attempts(cfg: EvaluateConfig, device: str, settings: Settings, atte
         for row in rows:
             writer.write(row.to_dict())
         todo = [a for a in attempts if a.candidate.code is not None]
-        if todo:
-            rows += run_evaluator(cfg, device, settings, todo, writer, out_dir / "references")
+        if todo:  # the references as files the evaluator imports: scratch, kept out of --output_dir
+            with tempfile.TemporaryDirectory(prefix="drk_eval_refs_") as ref_dir:
+                rows += run_evaluator(cfg, device, settings, todo, writer, Path(ref_dir))
     return rows
 
 

@@ -39,7 +39,10 @@ dropped by rewriting the file first, so a rerun writes only the missing rows and
 duplicates one. A row is reused only when it holds every column of its declared type
 (`row_problem`: `RowColumns`, the evaluator's result types, `ROW_SETTINGS`); any other is one of
 the malformed rows. A file written with another model, turn plan or any of `ROW_SETTINGS` is
-refused, naming the keys. A later STTS round is rebuilt from the rows.
+refused, naming the keys; so is one with a row that does not name the selected task of its
+`task_key` (`drkernel.sft_data.task_problem`: its file name and code digest, the rule the summary
+and the SFT conversion apply too), as it was written for other tasks. A later STTS round is
+rebuilt from the rows.
 """
 
 from __future__ import annotations
@@ -69,7 +72,9 @@ from drkernel.evaltypes import VERDICTS
 from drkernel.generation import GenerationConfig
 from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl, json_safe, write_json
 from drkernel.prompts import FORMAT_ERROR
+from drkernel.report import report_problems
 from drkernel.rollout import RolloutConfig
+from drkernel.sft_data import task_columns, task_problem
 
 ROW_RESULT_FIELDS = ("verdict", "compiled", "correct", "speedup", "triton_time_share", "hacks", "error",
                      "ref_ms", "candidate_ms", "max_abs_err", "max_rel_err", "kernels", "timing")
@@ -109,10 +114,10 @@ class GenerateConfig(ModelSelection, TaskSelection):
                      "api_concurrency": "concurrency", "api_timeout": "timeout", "api_max_attempts": "max_attempts",
                      "api_backoff_s": "backoff_s"}),
     )
-    # the values each setting accepts, beside those the mirrored library configs declare (drkernel.config)
+    # the values each setting accepts, beside those the mirrored library configs declare
+    # (drkernel.config: trials, perf_trials, timeout, ... obey EvalConfig.LIMITS through SHARED)
     LIMITS = {"samples_per_task": COUNT, "num_turns": COUNT, "max_prompt_tokens": COUNT, "tasks_per_batch": COUNT,
-              "trials": COUNT, "perf_trials": COUNT, "timeout": EvalConfig.LIMITS["timeout"], "workers": WORKERS,
-              "seed": NON_NEGATIVE, "stts_iterations": COUNT, "stts_window": NON_NEGATIVE}
+              "workers": WORKERS, "seed": NON_NEGATIVE, "stts_iterations": COUNT, "stts_window": NON_NEGATIVE}
     samples_per_task: int = dataclasses.field(default=1, metadata={"help": "trajectories per task (num_generations)"})
     num_turns: int = dataclasses.field(default=_Ro.num_turns, metadata={"help": "turns per trajectory (STTS: see --stts_window_counts)"})
     temperature: float = dataclasses.field(default=_G.temperature, metadata={"help": "0 = greedy"})
@@ -190,11 +195,12 @@ def check_config(cfg: GenerateConfig) -> None:
 
 def output_problems(cfg: GenerateConfig) -> list[str]:
     """Why a path generate.py writes cannot be written (`output_problem`): --output, the summary
-    and the report beside it, and --eval_cache_dir when one is given."""
+    and the report beside it (the folder and its files: `report.report_problems`), and
+    --eval_cache_dir when one is given; checked before any work, as both are written last."""
     found = [output_problem("--output", cfg.output)]
     if found[0] is None:
         found += [output_problem("the summary of --output", str(summary_path(cfg.output))),
-                  output_problem("the report of --output", str(report_dir(cfg.output)), is_dir=True)]
+                  *report_problems("the report of --output", report_dir(cfg.output))]
     found.append(cache_dir_problem("--eval_cache_dir", cfg.eval_cache_dir))
     return [p for p in found if p]
 
@@ -283,11 +289,11 @@ def _evaluate_pairs(evaluator, reference_dir: str | os.PathLike, pairs: list) ->
 
 def _identity(cfg: GenerateConfig, plan: Sequence[int], task, sample: int, iteration: int, iter_turn: int,
               policy: Policy) -> dict:
-    """The columns every row starts with: evaluate.py's `level, problem_id, sample, turn` (`turn`
-    is global: the round's offset in `plan`, turns per round, + the turn within it), the turn
-    plan, the model and `ROW_SETTINGS`."""
-    return {"level": task.level, "problem_id": task.problem_id, "task": task.name, "task_key": task.key,
-            "sample": int(sample), "turn": stts.round_offsets(plan)[iteration] + iter_turn,
+    """The columns every row starts with: the task's (`task_columns`: with evaluate.py's `level,
+    problem_id`, its file name and code digest), `sample, turn` (`turn` is global: the round's
+    offset in `plan`, turns per round, + the turn within it), the turn plan, the model and
+    `ROW_SETTINGS`."""
+    return {**task_columns(task), "sample": int(sample), "turn": stts.round_offsets(plan)[iteration] + iter_turn,
             "iteration": int(iteration), "iter_turn": int(iter_turn), "num_turns": int(cfg.num_turns),
             "round_turns": int(plan[iteration]), "model": policy.name,
             "settings": {k: getattr(cfg, k) for k in ROW_SETTINGS}}
@@ -328,6 +334,7 @@ class RowColumns(TypedDict):
     problem_id: int
     task: str
     task_key: str
+    task_sha: str
     sample: int
     turn: int
     iteration: int
@@ -403,6 +410,27 @@ def _check_rows(path: Path, rows: list[dict], cfg: GenerateConfig, plan: list[in
              f"run's); pass the same values, or {again}")
 
 
+def _keyed(rows: list[dict], tasks: Sequence) -> list[tuple[dict, str | None]]:
+    """Each row keyed (`task_key`) to one of `tasks`, with why it does not answer that task
+    (`task_problem`: a file written for another task set, or a row at odds with itself; None: it does)."""
+    by_key = {t.key: t for t in tasks}
+    return [(r, task_problem(r, by_key[r["task_key"]])) for r in rows if r["task_key"] in by_key]
+
+
+def _check_tasks(path: Path, rows: list[dict], tasks: Sequence) -> None:
+    """A row keyed to a selected task that does not answer it stops the run (`_keyed`): reusing it
+    would credit the task with another task's answer. Rows of tasks not selected stay, uncounted."""
+    problems = [problem for _, problem in _keyed(rows, tasks) if problem]
+    if problems:
+        fail(f"{path} was written for other tasks ({len(problems)} row(s); the first {problems[0]}); "
+             f"pass another --output or --resume false")
+
+
+def _of_tasks(rows: list[dict], tasks: Sequence) -> list[dict]:
+    """The rows that answer one of `tasks` (`_keyed`)."""
+    return [r for r, problem in _keyed(rows, tasks) if problem is None]
+
+
 @dataclasses.dataclass
 class Resumed:
     """What `resume_rows` kept of an earlier run's file, and what it dropped."""
@@ -442,11 +470,13 @@ def _complete_rounds(rows: list[dict], plan: list[int]) -> list[dict]:
     return [r for r in rows if r["iteration"] < keep_rounds[_unit(r)]]
 
 
-def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str) -> Resumed:
+def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str, tasks: Sequence) -> Resumed:
     """The rows to keep from a previous run, and what was dropped (`_complete_rounds`: later
     rounds, partial or failed rounds; also lines that are not JSON or not a usable row). The file is
     rewritten (atomically) when anything was dropped. A file without one usable row but with
-    several lines is not a generate.py output and is refused, not rewritten."""
+    several lines is not a generate.py output, and one with a row that names another task than the
+    selected one of its key (`_check_tasks`) was written for other tasks: both are refused, not
+    rewritten."""
     try:
         lines = list(iter_jsonl(path))
     except OSError as exc:
@@ -459,6 +489,7 @@ def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str) -> Resumed:
     rounds = max([cfg.stts_iterations] + [r["iteration"] + 1 for r in good])
     plan = stts.round_turns(cfg.num_turns, cfg.stts_window, rounds, cfg.stts_window_counts)
     _check_rows(path, good, cfg, plan, policy_name)
+    _check_tasks(path, good, tasks)
     latest = _last_of_each(good)
     kept = _complete_rounds(latest, plan)
     failed = sum(map(is_failure, latest))
@@ -511,7 +542,7 @@ def run(cfg: GenerateConfig, tasks: Sequence, policy: Policy, evaluate_fn: Calla
     (task, sample) whose request failed skips its later rounds (their context would be broken)."""
     out = Path(cfg.output)
     api = chat_generator(policy)
-    rows = _previous_rows(out, cfg, policy)
+    rows = _previous_rows(out, cfg, policy, tasks)
     done = {(*_unit(r), r["iteration"]) for r in rows}
     todo = [(t, s, k) for t in tasks for s in range(cfg.samples_per_task) for k in range(cfg.stts_iterations)
             if (t.key, s, k) not in done]
@@ -550,7 +581,7 @@ def _progress_bar(api: ChatGenerator | None, plan: list[int], todo: list[tuple])
     return bar
 
 
-def _previous_rows(out: Path, cfg: GenerateConfig, policy: Policy) -> list[dict]:
+def _previous_rows(out: Path, cfg: GenerateConfig, policy: Policy, tasks: Sequence) -> list[dict]:
     """The finished rows of an earlier run (`resume_rows`); `--resume false` moves the file aside."""
     if not cfg.resume and out.exists() and out.stat().st_size:
         backup = out.with_name(f"{out.stem}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
@@ -558,7 +589,7 @@ def _previous_rows(out: Path, cfg: GenerateConfig, policy: Policy) -> list[dict]
         print(f"[generate] --resume false: moved the old generations to {backup}", file=sys.stderr)
     if not out.exists():
         return []
-    res = resume_rows(out, cfg, policy.name)
+    res = resume_rows(out, cfg, policy.name, tasks)
     report_resumed(out, res)
     return res.rows
 
@@ -605,12 +636,13 @@ def _earlier_turns(rows: list[dict], task_key: str, sample: int) -> list[dict]:
 
 
 def _summary(cfg: GenerateConfig, tasks: Sequence, rows: list[dict], generated: int) -> dict:
-    """`drkernel.metrics` over every turn (best of turns), and per STTS round; the report beside it.
-    Failure rows are no answers: their turns count as missing."""
+    """`drkernel.metrics` over every turn (best of turns) of the rows that answer `tasks`
+    (`_of_tasks`), and per STTS round; the report beside it. Failure rows are no answers: their
+    turns count as missing."""
     from drkernel import metrics, report
 
-    keys = {t.key for t in tasks}
-    mine = [r for r in rows if r["task_key"] in keys and not is_failure(r)]
+    ours = _of_tasks(rows, tasks)
+    mine = [r for r in ours if not is_failure(r)]
     expected = [(t.level, t.problem_id) for t in tasks]
     plan = cfg.round_turns()
     summary = metrics.summarize(mine, expected, samples=cfg.samples_per_task, turns=sum(plan))
@@ -618,7 +650,7 @@ def _summary(cfg: GenerateConfig, tasks: Sequence, rows: list[dict], generated: 
         summary["stts"] = stts.iteration_metrics(mine, expected, cfg.samples_per_task, plan)
     summary["config"] = dataclasses.asdict(cfg)
     summary["generated_this_run"] = generated
-    summary["generation_failures"] = sum(1 for r in rows if r["task_key"] in keys and is_failure(r))
+    summary["generation_failures"] = sum(map(is_failure, ours))
     summary["output"] = cfg.output
     report.write_report(summary, mine, report_dir(Path(cfg.output)), expected, cfg.samples_per_task, sum(plan))
     return summary

@@ -180,6 +180,8 @@ def output_problem(option: str, path: str, is_dir: bool = False, writable: bool 
     if not str(path).strip():
         return f"{option} is empty (name a {kind})"
     p = Path(path)
+    if p.is_symlink() and not p.exists():
+        return f"{option} {path}: is a link to nothing ({os.readlink(p)})"
     if p.exists() and p.is_dir() != is_dir:
         return f"{option} {path}: is a {'directory' if p.is_dir() else 'file'}, not a {kind}"
     nearest = p if p.exists() else p.parent

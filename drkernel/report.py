@@ -26,9 +26,11 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from drkernel import metrics
+from drkernel.config import output_problem
 from drkernel.jsonl import finite, read_jsonl, write_json
 
 MAX_SKIPPED_ROWS = 100  # skipped inputs listed in report.md
+REPORT_FILES = ("summary.json", "fast_p_curve.png", "speedup_hist.png", "per_turn.png", "report.md")
 
 
 def _columns(summary: dict) -> list[str]:
@@ -192,6 +194,16 @@ def _skipped_section(summary: dict) -> list[str]:
             cells = (entry["where"], entry["attempt"] or "-", entry["reason"])
             md.append("| " + " | ".join(" ".join(str(c).split()).replace("|", "\\|") for c in cells) + " |")
     return md
+
+
+def report_problems(option: str, directory: str | os.PathLike) -> list[str]:
+    """Why `write_report` could not write into `directory` (`config.output_problem`): the
+    directory, then each of its `REPORT_FILES`; checked before a run's work, as the report comes last."""
+    found = output_problem(option, str(directory), is_dir=True)
+    if found:
+        return [found]
+    files = (output_problem(option, str(Path(directory) / name)) for name in REPORT_FILES)
+    return [p for p in files if p]
 
 
 def write_report(summary: dict, rows: Iterable[dict], output_dir: str | os.PathLike,

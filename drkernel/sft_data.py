@@ -32,6 +32,9 @@ packed sequence is -100, so no sequence is trained to predict another's first to
 From generations. `generations_to_sft` turns generate.py's JSONL (one row per sample per
 turn) into `messages` rows: rejection-sampled distillation with reward/speedup thresholds,
 hacked turns dropped (the trajectory ends before them) and de-duplication by kernel hash.
+A row answers the selected task of its (level, problem_id) only when it names that task
+(`task_problem`, the rule generate.py's resume and summary apply too); any other is skipped and
+named, so a file written for another task set never pairs one task's prompt with another's answer.
 
     python -m drkernel.sft_data --generations gen.jsonl --out sft.jsonl [--min_reward R] [--min_speedup S]
 """
@@ -46,11 +49,12 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from drkernel import metrics
 from drkernel.config import TaskSelection, output_problem
 from drkernel.jsonl import finite, first_reasons, iter_jsonl
+from drkernel.tasks import Task
 
 IGNORE_INDEX = -100
 BUNDLED_SFT = Path(__file__).parent / "data" / "sft" / "conversations.jsonl"
@@ -372,7 +376,7 @@ def kernel_hash(code: str) -> str:
     except (SyntaxError, ValueError):
         norm = "\n".join(" ".join(line.split()) for line in code.splitlines()
                          if line.strip() and not line.strip().startswith("#"))
-    return hashlib.sha256(norm.encode()).hexdigest()[:16]
+    return hashlib.sha256(norm.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 def _qualifies(row: dict, min_reward: float | None, min_speedup: float | None) -> bool:
@@ -411,6 +415,24 @@ class ConvertStats:
 _ROW_KEYS = ("level", "problem_id", "sample", "turn")  # counts that place a row in its trajectory
 
 
+def task_columns(task: Task) -> dict[str, Any]:
+    """The columns of a generation row that say which task it answers (generate.py writes them):
+    level, problem id, file name, `level_problemid` key and a digest of the task's code."""
+    return {"level": task.level, "problem_id": task.problem_id, "task": task.name, "task_key": task.key,
+            "task_sha": task.digest}
+
+
+def task_problem(row: Mapping[str, Any], task: Task) -> str | None:
+    """Why `row` is no answer to `task` (None: it is one). It must name the task's file (`task`),
+    and each other `task_columns` column it holds must be the task's: ids alone match the same
+    problem number of another task set (another file, other code) or a row at odds with itself."""
+    if "task" not in row:
+        return f"names no task (no `task` column): it may answer another task than {task.name}"
+    mine = task_columns(task)
+    differ = [f"{k} {row[k]!r} (not {mine[k]!r})" for k in mine if k in row and row[k] != mine[k]]
+    return f"answers another task than {task.name}: {', '.join(differ)}" if differ else None
+
+
 def _row_problem(row: dict) -> str | None:
     """Why a generation row cannot be placed in a conversation (None: it can)."""
     missing = [k for k in (*_ROW_KEYS, "response") if k not in row]
@@ -420,11 +442,20 @@ def _row_problem(row: dict) -> str | None:
     return f"{', '.join(bad)} not an integer" if bad else None
 
 
-def _trajectories(rows: Iterable[dict], stats: ConvertStats) -> dict[tuple[int, int, int], list[dict]]:
-    """The rows of each (level, problem_id, sample); a row that cannot be placed is skipped and named."""
+def _selected_task_problem(row: dict, by_key: Mapping[tuple[int, int], Task]) -> str | None:
+    """`task_problem` against the selected task of the row's (level, problem_id); None when there is
+    none (the trajectory then counts as `missing_task`)."""
+    task = by_key.get((row["level"], row["problem_id"]))
+    return None if task is None else task_problem(row, task)
+
+
+def _trajectories(rows: Iterable[dict], by_key: Mapping[tuple[int, int], Task],
+                  stats: ConvertStats) -> dict[tuple[int, int, int], list[dict]]:
+    """The rows of each (level, problem_id, sample); a row that cannot be placed, or that answers
+    another task than the selected one of its problem, is skipped and named."""
     trajs: dict[tuple[int, int, int], list[dict]] = {}
     for i, row in enumerate(rows, 1):
-        problem = _row_problem(row)
+        problem = _row_problem(row) or _selected_task_problem(row, by_key)
         if problem:
             stats.skipped.append(f"row {i}: {problem}")
             continue
@@ -474,12 +505,13 @@ def _best_per_kernel(candidates: list[dict], stats: ConvertStats) -> list[dict]:
     return sorted(out, key=lambda c: (c["level"], c["problem_id"], c["sample"]))
 
 
-def generations_to_sft(rows: Iterable[dict], tasks: Sequence, min_reward: float | None = None,
+def generations_to_sft(rows: Iterable[dict], tasks: Sequence[Task], min_reward: float | None = None,
                        min_speedup: float | None = None,
                        train_failed_turns: bool = False) -> tuple[list[dict], ConvertStats]:
     """Rejection-sampled distillation from generation rows.
 
-    Per trajectory (level, problem_id, sample), turns in order:
+    A row that does not name the selected task of its (level, problem_id) (`task_problem`) is
+    skipped and named. Per trajectory (level, problem_id, sample), turns in order:
     - a hacked turn and everything after it are dropped;
     - the trajectory is kept only if some remaining turn qualifies (correct, not hacked,
       reward >= min_reward, speedup >= min_speedup), and it ends at its last qualifying turn;
@@ -495,7 +527,7 @@ def generations_to_sft(rows: Iterable[dict], tasks: Sequence, min_reward: float 
 
     by_key = {(int(t.level), int(t.problem_id)): t for t in tasks}
     stats = ConvertStats()
-    trajs = _trajectories(rows, stats)
+    trajs = _trajectories(rows, by_key, stats)
     stats.trajectories = len(trajs)
     candidates = []
     for (level, pid, sample), turns in sorted(trajs.items()):

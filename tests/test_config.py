@@ -246,3 +246,9 @@ def test_an_output_below_a_place_nothing_can_be_created_in_is_refused_even_for_r
     assert output_problem("--out", "/proc/drk_none/rows.json") == "--out /proc/drk_none/rows.json: /proc is not writable"
     assert output_problem("--out", str(tmp_path / "new" / "rows.json")) is None
     assert list(tmp_path.iterdir()) == []  # the try leaves nothing behind
+
+
+def test_an_output_that_is_a_link_to_nothing_is_refused(tmp_path):
+    link = tmp_path / "results.jsonl"
+    link.symlink_to(tmp_path / "gone" / "results.jsonl")
+    assert "is a link to nothing" in output_problem("--output", str(link))

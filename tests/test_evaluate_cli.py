@@ -20,6 +20,7 @@ class FakeEvaluator:
 
     def __init__(self, fail_on_call=None, default="correct"):
         self.calls = []  # one list of (reference, candidate) per evaluate_many call
+        self.references = []  # each pair's reference code, read while its scratch file exists
         self.fail_on_call = fail_on_call
         self.default = default
         self.closed = False
@@ -32,6 +33,7 @@ class FakeEvaluator:
         out = []
         for ref, cand in pairs:
             assert os.path.isfile(ref) and "class Model" in Path(ref).read_text()
+            self.references.append(Path(ref).read_text())
             code = Path(cand).read_text() if "\n" not in cand and os.path.isfile(cand) else cand
             verdict = self.default
             if "# fake: " in code:
@@ -159,8 +161,8 @@ def test_compile_baseline_reaches_the_evaluator_and_the_rows(tmp_path, fake, mon
     monkeypatch.setattr(evaluate, "make_evaluator", lambda cfg, device: seen.append(cfg) or fake["ev"])
     out = tmp_path / "eval"
     evaluate.main(["--problem_ids", "1", "--baseline", "compile", "--output_dir", str(out), "--device", "cpu"])
-    (ref, _), = fake["ev"].evaluated
-    assert "torch.compile" not in Path(ref).read_text() and seen[0].baseline == "compile"
+    (reference,) = fake["ev"].references
+    assert "torch.compile" not in reference and seen[0].baseline == "compile"
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert rows and all(r["baseline"] == "compile" for r in rows)
     with pytest.raises(SystemExit):
@@ -330,10 +332,12 @@ def test_resume_reevaluates_results_of_other_settings(tmp_path, fake, capsys, fl
     (["--device", "tpu"], "device must be auto, cpu, cuda or cuda:N"),
     (["--timeout", "0"], "timeout must be in (0, 604800]"),
     (["--trials", "0"], "trials must be in [1, 1000]"),
+    (["--perf_trials", "0"], "perf_trials must be in [1, 100000], got 0"),  # EvalConfig's limit, not another
+    (["--perf_trials", "200000"], "perf_trials must be in [1, 100000], got 200000"),
     (["--candidates", "no/such/dir"], "no/such/dir: no such file or directory"),
     (["--denominator", "some"], "--denominator must be one of"),
     (["--no_such_option", "1"], "unknown option(s) --no_such_option"),
-], ids=["device", "timeout", "trials", "candidates", "denominator", "unknown"])
+], ids=["device", "timeout", "trials", "perf_trials_0", "perf_trials_huge", "candidates", "denominator", "unknown"])
 def test_usage_errors_exit_2_with_one_line(tmp_path, fake, capsys, flags, message):
     with pytest.raises(SystemExit) as exc:
         evaluate.main(["--output_dir", str(tmp_path / "eval")] + flags)
@@ -358,6 +362,33 @@ def test_unusable_output_paths_are_usage_errors(tmp_path, fake, capsys, monkeypa
         assert exc.value.code == 2 and err[-1].startswith("evaluate.py: error: ") and message in err[-1], flags
         assert "Traceback" not in "".join(err)
     assert fake["ev"].calls == [] and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.parametrize("name", ["results.jsonl", "summary.json", "report.md", "fast_p_curve.png"])
+def test_an_output_file_of_the_wrong_kind_stops_the_run_before_any_work(tmp_path, fake, capsys, name):
+    """The results are appended as they come and the report is written last: a path either cannot
+    write is found before anything is evaluated."""
+    out = tmp_path / "eval"
+    (out / name).mkdir(parents=True)
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--output_dir", str(out), "--problem_ids", "1", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1] == f"evaluate.py: error: --output_dir {out / name}: is a directory, not a file"
+    assert fake["ev"].calls == [] and [p.name for p in out.iterdir()] == [name]
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling symlink"])
+def test_references_are_scratch_files_outside_the_output_dir(tmp_path, fake, kind):
+    out = tmp_path / "eval"
+    out.mkdir()
+    if kind == "file":
+        (out / "references").write_text("mine")
+    else:
+        (out / "references").symlink_to(tmp_path / "gone")
+    summary = evaluate.main(["--output_dir", str(out), "--problem_ids", "1", "--device", "cpu"])
+    assert summary["correct_rate"] == 1.0 and len(fake["ev"].evaluated) == 1
+    assert not Path(fake["ev"].evaluated[0][0]).exists()  # the reference's scratch copy is gone
+    assert (out / "references").is_symlink() if kind != "file" else (out / "references").read_text() == "mine"
 
 
 def test_cuda_without_a_gpu_is_a_usage_error(tmp_path, fake, capsys):

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -192,6 +193,23 @@ def test_unusable_output_paths_and_api_model_alone_stop_before_the_model_loads(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "g.summary.json", "h_report"]
 
 
+def test_evaluator_settings_obey_evalconfigs_limits_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: pytest.fail("the model must not load"))
+    out = ["--problem_ids", "1", "--device", "cpu", "--output", str(tmp_path / "g.jsonl")]
+    for argv, msg in ((["--perf_trials", "200000"], "perf_trials must be in [1, 100000], got 200000"),
+                      (["--trials", "1001"], "trials must be in [1, 1000], got 1001 (each trial is a full call")):
+        assert msg in _usage_error(capsys, [*out, *argv]), argv
+
+
+def test_a_report_file_of_the_wrong_kind_stops_the_run_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """The report is written after every generation: a path it cannot write is found first."""
+    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: pytest.fail("the model must not load"))
+    (tmp_path / "g_report" / "report.md").mkdir(parents=True)
+    assert _usage_error(capsys, ["--problem_ids", "1", "--device", "cpu", "--output", str(tmp_path / "g.jsonl")]) == (
+        f"generate.py: error: the report of --output {tmp_path / 'g_report' / 'report.md'}: is a directory, not a file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g_report"]
+
+
 @pytest.mark.usefixtures("counting_policy")
 def test_help_and_start_line_name_the_base_configuration(capsys, tmp_path, fake_eval):
     with pytest.raises(SystemExit) as exc:
@@ -214,7 +232,9 @@ class _Server:
     def __init__(self, reply):
         self.requests = []
         # misbehaviours for the next requests, one each: an HTTP code, "not json" (a 200 whose body
-        # is an HTML error page), or "hang" (no answer for `hang_s`, longer than the client waits)
+        # is an HTML error page), "nested" (a 200 whose body is JSON nested past the parser's depth),
+        # "hang" (no answer for `hang_s`, longer than the client waits) or "trickle" (a 200 whose
+        # body comes one byte every 0.2 s, for `hang_s`, then stops short of its Content-Length)
         self.failures = []
         self.retry_after = None  # a Retry-After header on scripted HTTP failures
         self.fail_prompt = None  # conversations starting with these messages always get HTTP 500
@@ -233,6 +253,12 @@ class _Server:
                     failure = 500
                 if failure == "not json":
                     self._send(200, None, b"<html>502 Bad Gateway</html>")
+                    return
+                if failure == "nested":
+                    self._send(200, None, b"[" * 200000 + b"]" * 200000)
+                    return
+                if failure == "trickle":
+                    self._trickle()
                     return
                 if failure == "hang":  # the client times out first and retries
                     outer.closing.wait(outer.hang_s)
@@ -253,6 +279,18 @@ class _Server:
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _trickle(self):
+                self.send_response(200)
+                self.send_header("Content-Length", "100000")
+                self.end_headers()
+                for _ in range(int(outer.hang_s / 0.2)):
+                    if outer.closing.wait(0.2):
+                        return
+                    try:
+                        self.wfile.write(b" ")
+                    except OSError:  # the client gave up
+                        return
 
             def log_message(self, *args):
                 pass
@@ -362,6 +400,27 @@ def test_api_client_sorts_failures(server, capsys):
     assert answered.complete(msgs, gen).error.startswith("HTTP 400") and len(server.requests) == n + 1
     with pytest.raises(api_policy.ApiError, match="http"):
         api_policy.OpenAIChatClient(api_policy.ApiConfig(base_url="localhost:8000", model="m"))
+
+
+def test_api_reply_nested_too_deeply_is_retried_like_any_reply_that_is_not_a_chat_completion(server, capsys):
+    client = api_policy.OpenAIChatClient(api_policy.ApiConfig(
+        base_url=server.url, model="m", api_key_env="", timeout=10, max_attempts=2, backoff_s=0.0))
+    server.failures = ["nested"]
+    c = client.complete([{"role": "user", "content": "hi"}], GenerationConfig(max_new_tokens=5), label="job 1")
+    assert c.text == CODE_REPLY and c.error is None and len(server.requests) == 2
+    assert "[api] job 1: the reply is not a chat completion: '[[[[" in capsys.readouterr().err
+
+
+def test_api_reply_trickling_past_the_timeout_is_a_timeout(server):
+    """The timeout bounds the whole request, not only each socket read: a server that sends a
+    byte every 0.2 s would otherwise hold it for `hang_s` (then cut it short: another error)."""
+    client = api_policy.OpenAIChatClient(api_policy.ApiConfig(
+        base_url=server.url, model="m", api_key_env="", timeout=1.0, max_attempts=1))
+    server.failures, server.hang_s = ["trickle"], 6.0
+    start = time.monotonic()
+    with pytest.raises(api_policy.ApiError, match=r"no usable answer in 1 attempts \(no reply within 1 s"):
+        client.complete([{"role": "user", "content": "hi"}], GenerationConfig(max_new_tokens=5))
+    assert time.monotonic() - start < 3.0
 
 
 def test_chat_generator_records_a_failed_trajectory_and_stops_asking_for_it(server, capsys):
@@ -531,6 +590,43 @@ def test_resume_regenerates_mistyped_rows_and_names_them(tmp_path, fake_eval, co
                           ("verdict 'great' is not one of correct,", {"verdict": "great"}),
                           ("speedup is '9', not a number or null", {"speedup": "9"})):
         assert generate.row_problem({**rows[4], **flaw}).startswith(problem)
+
+
+def _task_folder(tmp_path, name: str, like: int) -> str:
+    """A --tasks folder holding one task file `name` with the code of bundled task `like`."""
+    folder = tmp_path / f"tasks_{Path(name).stem}"
+    folder.mkdir()
+    (folder / name).write_text(load_bundled([like])[0].code)
+    return str(folder)
+
+
+def test_resume_refuses_rows_written_for_other_tasks(tmp_path, fake_eval, counting_policy, capsys):
+    """Rows are matched to tasks by `task_key` (level_problemid): a file written for another task set
+    names another file, or other code, under the same key, and a damaged row may name another
+    problem than its key; reusing either would credit the selected task with another's answer."""
+    out, args = _generated(tmp_path, "1", 1)  # bundled 1_ReLU.py
+    row = json.loads(out.read_text())
+    relu, softmax = load_bundled([1])[0], load_bundled([4])[0]
+    softmax_dir = _task_folder(tmp_path, "1_Softmax.py", like=4)
+    for tasks, why in ((softmax_dir, f"1_Softmax.py: task '1_ReLU.py' (not '1_Softmax.py'), task_sha '{relu.digest}' "
+                                     f"(not '{softmax.digest}')"),
+                       (_task_folder(tmp_path, "1_ReLU.py", like=4),  # the same file name, other code
+                        f"1_ReLU.py: task_sha '{relu.digest}' (not '{softmax.digest}')")):
+        assert _usage_error(capsys, args + ["--tasks", tasks]) == (
+            f"generate.py: error: {out} was written for other tasks (1 row(s); the first answers another task "
+            f"than {why}); pass another --output or --resume false")
+    for damage, why in (({"task": "3_Matmul.py", "problem_id": 3}, "problem_id 3 (not 1), task '3_Matmul.py' (not "
+                                                                   "'1_ReLU.py')"),
+                        ({"level": 5}, "level 5 (not 0)")):  # keyed 0_1, but not problem 0_1's row
+        out.write_text(json.dumps({**row, **damage}) + "\n")
+        assert f"(1 row(s); the first answers another task than 1_ReLU.py: {why}); " in _usage_error(capsys, args)
+    assert len(counting_policy.earlier) == 1  # nothing generated for a refused file
+
+    # the summary counts a task's rows by the same rule: ReLU's answer is no Softmax answer
+    cfg = generate.GenerateConfig(output=str(tmp_path / "s.jsonl"), num_turns=1)
+    tasks = generate.GenerateConfig(tasks=softmax_dir).selected_tasks()
+    summary = generate._summary(cfg, tasks, [row], 0)
+    assert summary["num_missing"] == 1 and summary["correct_rate"] == 0.0
 
 
 def test_message_codec_round_trips_conversations():

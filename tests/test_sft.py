@@ -420,9 +420,13 @@ def test_resuming_a_damaged_checkpoint_exits_2_naming_it(full_run, tmp_path, tin
 
 # ----------------------------------------------------------------------------- generations -> SFT
 
+TASK_NAMES = {t.problem_id: t.name for t in load_bundled()}  # a row names its task's file (sft_data.task_problem)
+
+
 def gen_row(pid, sample, turn, verdict, reward, speedup=None, hacks=(), code="", level=0, **extra):
     response = f"Attempt {turn}.\n\n```python\n{code}```" if code else "I could not write it."
-    return {"level": level, "problem_id": pid, "sample": sample, "turn": turn, "response": response,
+    return {"level": level, "problem_id": pid, "task": TASK_NAMES.get(pid, f"{pid}_Unknown.py"), "sample": sample,
+            "turn": turn, "response": response,
             "code": code or None, "verdict": verdict, "correct": verdict == "correct", "speedup": speedup,
             "reward": reward, "hacks": list(hacks), **extra}
 
@@ -524,6 +528,29 @@ def test_generations_cli_skips_and_names_unusable_lines(generations, tmp_path, c
     assert sft_data.main(["--generations", str(broken), "--out", str(out)]) == 2
     assert f"{broken}: not valid JSON" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_generations_of_another_task_set_are_skipped_and_named(generations, tmp_path, capsys):
+    """Rows are placed by (level, problem_id): a --tasks folder whose 1_*.py is another problem must
+    not pair its prompt with the answers written for bundled 1_ReLU.py; nor may a row whose code
+    digest is another's, or one that names no task."""
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "1_Softmax.py").write_text(load_bundled([4])[0].code)
+    out = tmp_path / "sft.jsonl"
+    assert sft_data.main(["--generations", str(generations), "--tasks", str(folder), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["kept"] == 0 and out.read_text() == ""
+    assert "skipped 8 unusable row(s): row 1: answers another task than 1_Softmax.py: task '1_ReLU.py' " \
+           "(not '1_Softmax.py'); row 2: " in captured.err
+
+    relu = load_bundled([1])[0]
+    good = json.loads(generations.read_text().splitlines()[1])  # problem 1, correct
+    rows = [{**good, "task_sha": "0" * 16}, {k: v for k, v in good.items() if k != "task"}, {**good, "task_sha": relu.digest}]
+    converted, stats = sft_data.generations_to_sft(rows, load_bundled())
+    assert [(r["problem_id"], r["sample"]) for r in converted] == [(1, 0)]  # the row that names its task
+    assert stats.skipped == [f"row 1: answers another task than 1_ReLU.py: task_sha '{'0' * 16}' (not '{relu.digest}')",
+                             "row 2: names no task (no `task` column): it may answer another task than 1_ReLU.py"]
 
 
 @pytest.mark.parametrize("out, says", [("", "--out is empty (name a file)"),
