@@ -121,6 +121,17 @@ class Channel:
             how = f"exited with code {os.WEXITSTATUS(st.exit_code)} (os._exit?)"
         return Stop("crashed", f"the candidate's process {how} without a result ({exc})")
 
+    def escaped_kills(self) -> str:
+        """The supervisor's note that it killed processes that had left their runner (over a limit
+        of the job), taken so that it is read once; empty when there is none. Only the runner whose
+        turn it is runs, so they were its candidate's."""
+        path = kill_note(self.dir, ipc.ESCAPED) if self.dir else ""
+        note = read_output(path, 300) if path else ""
+        if note:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return note
+
     def strays(self) -> list[int]:
         """Processes of this runner's besides itself: its descendants, and any process that left
         its group and was re-parented to the zygote (neither the judge nor one of `siblings`)."""
@@ -132,7 +143,7 @@ class Channel:
         if not self.zygote_pid:
             return []
         known = {os.getpid(), self.pid, *self.siblings}
-        out = [p for p in procfs.children(self.zygote_pid) if p not in known and not _zombie(p)]
+        out = [p for p in procfs.children(self.zygote_pid) if p not in known and procfs.alive(p)]
         return out + [d for p in out for d in procfs.descendants(p)]
 
     def kill(self) -> None:
@@ -141,7 +152,7 @@ class Channel:
         if not _signal_group(self.pid, signal.SIGKILL):
             return
         for _ in range(2000):
-            if _zombie(self.pid):
+            if not procfs.alive(self.pid):
                 break
             time.sleep(0.001)
         for _ in range(100):  # again while a stray is still forking
@@ -156,12 +167,6 @@ class Channel:
     def output(self, name: str, limit: int) -> str:
         """What the runner printed (`stdout` or `stderr` in its directory), head and tail."""
         return read_output(os.path.join(self.dir, name), limit)
-
-
-def _zombie(pid: int) -> bool:
-    """`pid` has exited (a zombie, or gone): it holds nothing and runs nothing."""
-    st = procfs.stat(pid)
-    return st is None or st.state in ("Z", "X")
 
 
 def _signal_group(pid: int, sig: int) -> bool:

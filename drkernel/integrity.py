@@ -42,9 +42,12 @@ _REACH_ATTRS = {"__globals__", "__closure__", "__subclasses__", "__code__", "cel
                 "__mro__", "__base__", "__loader__", "__self__", "__func__", "__wrapped__", "__getattribute__",
                 "getclosurevars", "getmodule", "getmembers", "getattr_static", "unwrap",
                 "attrgetter", "methodcaller"}
-# private torch names that tell which modes are on: how a call checked with the data-flow log
-# (a dispatch mode) or profiled differs from a timed one
-_MODE_WORDS = ("dispatch", "torch_function", "profiler_enabled", "profiler_type")
+# torch's private readers of which modes are on: how a call checked with the data-flow log (a
+# dispatch mode) or profiled differs from a timed one
+_MODE_READERS = {"_len_torch_dispatch_stack", "_get_dispatch_stack_at", "_get_current_dispatch_mode",
+                 "_get_current_dispatch_mode_stack", "_get_dispatch_mode", "_is_torch_function_mode_enabled",
+                 "_len_torch_function_stack", "_get_function_stack_at", "_is_profiler_enabled", "_profiler_enabled",
+                 "_profiler_type", "_kineto_enabled", "_is_any_torch_function_mode_enabled"}
 _THREAD_MODULES = {"threading", "_thread", "concurrent", "multiprocessing", "asyncio", "subprocess"}
 _PATCH_STRINGS = {"torch.library", "Library", "_dispatch", "impl_abstract", "register_kernel", "pre_run_hooks",
                   "add_pre_run_hook",
@@ -119,7 +122,7 @@ def _attribute_findings(node: ast.Attribute) -> list[tuple[str, str]]:
         out.append(("reference_access", d))
     if (node.attr in ("stack", "trace") and d.startswith("inspect.")) or d in ("sys.modules", "sys._current_frames"):
         out.append(("reference_access", d))
-    if node.attr.startswith("_") and any(w in node.attr for w in _MODE_WORDS):
+    if node.attr in _MODE_READERS:
         out.append(("reference_access", f"{d} (reads the evaluator's own dispatch, function or profiler modes)"))
     if node.attr in ("add_pre_run_hook", "pre_run_hooks"):
         out.append(("patched_function", f"{d} (candidate Python inside Triton's launch)"))
@@ -145,10 +148,11 @@ def _string_findings(s: str, reference_path: str | None) -> list[tuple[str, str]
 
 
 def _dynamic_attribute(node: ast.AST) -> bool:
-    """`getattr(x, "a" + "b")`, `getattr(x, name)` and the like: a name no scan sees."""
+    """`getattr(x, "a" + "b")` and the like: a name assembled where the call is, which no scan
+    sees (a plain variable passes: `for name in ("weight", "bias"): setattr(self, name, ...)`)."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2
-            and not isinstance(node.args[1], ast.Constant))
+            and not isinstance(node.args[1], (ast.Constant, ast.Name)))
 
 
 # --------------------------------------------------------------------------------------

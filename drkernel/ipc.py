@@ -126,9 +126,12 @@ def read_output(path: str, max_chars: int) -> str:
             + tail.decode("utf-8", "replace"))
 
 
+ESCAPED = 0  # `kill_note`'s pid for processes that left their runner (no process has pid 0)
+
+
 def kill_note(runner_dir: str, runner_pid: int) -> str:
     """The file the supervisor leaves in the job's directory (out of every runner's reach) saying
-    why it killed that runner alone."""
+    why it killed that runner alone (or, for `ESCAPED`, processes that had left their runner)."""
     return os.path.join(os.path.dirname(runner_dir), f"killed_{runner_pid}")
 
 

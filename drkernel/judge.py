@@ -676,6 +676,13 @@ def _check_processes(j: Judge, where: str) -> None:
     count["max"] = max(count["max"], threads)
     if strays:
         j.hack("thread_spawned", f"{where}: {len(strays)} process(es) of the candidate outlived its call")
+    _escaped_kills(j, where)
+
+
+def _escaped_kills(j: Judge, where: str) -> None:
+    """Processes that left the candidate's runner and that the supervisor killed over a limit."""
+    if note := j.runner.escaped_kills():
+        j.hack("thread_spawned", f"{where}: the sandbox killed {note}", stop=False)
 
 
 def load_candidate(j: Judge) -> None:
@@ -1349,6 +1356,7 @@ def _judge_candidate(r: Reference, runner: Channel, candidate_path: str, started
             j.out.verdict, j.out.error = verdict, error
     finally:
         runner.kill()
+        _escaped_kills(j, "its turn")  # its own: read before the next candidate's turn begins
     if r.gpu is not None:
         j.details["lock_wait_s"] = {k: round(v - waited.get(k, 0.0), 3) for k, v in r.gpu.waited.items()}
     result = _verdict(j, started)

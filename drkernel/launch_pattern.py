@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_QUALNAME = type.__dict__["__qualname__"].__get__  # type's own slot: no metaclass property answers
+type_name = type.__dict__["__qualname__"].__get__  # a class's name from type's own slot: no metaclass property answers
 MAX_LAUNCHES = 2048  # a level-3 forward launches a few hundred; past this only the count is kept
 
 
@@ -44,7 +44,7 @@ def _arg(param: str, v: Any, key, roles: dict, tensors: tuple[type, ...]) -> str
         return f"{param}=T:{v.dtype}:{tuple(v.shape)}:{v.stride()}:{roles.get(key(v), 'own')}"
     if type(v) in (bool, int, float, str, type(None)):
         return f"{param}=S:{v!r}"
-    return f"{param}=O:{_QUALNAME(type(v))}"
+    return f"{param}=O:{type_name(type(v))}"
 
 
 def split(sig: Any) -> tuple[tuple, tuple[str, ...]]:

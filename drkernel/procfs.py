@@ -72,6 +72,18 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def live_tasks(pid: int) -> list[Stat]:
+    """/proc/<pid>/task/<tid>/stat of each thread of `pid` that has not exited. A process whose
+    main thread exited while another runs reads as a zombie ("Z") in /proc/<pid>/stat: it is
+    alive, and this is how to tell."""
+    return [st for tid in tids(pid) if (st := stat(pid, tid)) is not None and st.state not in ("Z", "X")]
+
+
+def alive(pid: int) -> bool:
+    """Some thread of `pid` still runs (a zombie, or a process that is gone, has none)."""
+    return bool(live_tasks(pid))
+
+
 def stopped(pid: int) -> bool:
     """Every thread of `pid` is stopped (or the process is gone)."""
     for tid in tids(pid):

@@ -22,6 +22,7 @@ process between requests (docs/security.md).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib.util
@@ -59,6 +60,24 @@ def concrete_grid(grid, bound: dict) -> tuple[int, ...]:
     return tuple(int(x) for x in g)
 
 
+def _launch_argument_types() -> tuple[frozenset, frozenset]:
+    """(the exact types a launch argument may have, Triton's tensor descriptor types): plain
+    values and numpy's scalars, torch's tensors and dtypes, Triton's dtypes, constexprs and kernels
+    (a kernel may take another as a constexpr). Every method of these is the library's own."""
+    import torch
+    import triton.language as tl
+    plain = {*_PLAIN_ARGUMENTS, torch.Tensor, torch.nn.Parameter, torch.dtype, tl.dtype, tl.pointer_type, tl.constexpr}
+    for module, names in (("triton.runtime.jit", ("JITFunction",)), ("triton.runtime.interpreter", ("InterpretedFunction",)),
+                          ("numpy", ("bool_", "int32", "int64", "uint32", "uint64", "float16", "float32", "float64"))):
+        with contextlib.suppress(ImportError):
+            mod = importlib.import_module(module)
+            plain.update(t for t in (getattr(mod, n, None) for n in names) if isinstance(t, type))
+    descriptors = set()
+    with contextlib.suppress(ImportError):
+        descriptors.add(importlib.import_module("triton.tools.tensor_descriptor").TensorDescriptor)
+    return frozenset(plain), frozenset(descriptors)
+
+
 class LaunchRecorder:
     """Wraps Triton's launch entry points for the candidate's own kernels. Per call it records the
     real launches (a launch over an empty grid runs nothing and is no launch) and, when a data-flow
@@ -68,7 +87,6 @@ class LaunchRecorder:
 
     def __init__(self, candidate_file: str):
         self.candidate_file = os.path.realpath(candidate_file)
-        self.candidate_names = frozenset((candidate_file, self.candidate_file))  # as its code objects name it
         # (kernel, grid, arguments by parameter); it also keeps the launched tensors alive until the
         # call ends (a freed kernel buffer cannot be handed to a torch-made output)
         self.launches: list[tuple[str, tuple, dict]] = []
@@ -81,8 +99,10 @@ class LaunchRecorder:
         self._signatures: dict[Any, inspect.Signature] = {}
         self.installed: dict[str, tuple[Any, str]] = {}
         self.originals: tuple = ()  # Triton's own `run`s, the only launchers `_launch` accepts
+        self.argument_types: tuple[frozenset, frozenset] = (frozenset(), frozenset())  # `install` knows them
 
     def install(self) -> dict[str, tuple[Any, str]]:
+        self.argument_types = _launch_argument_types()
         owners = []
         for mod, cls in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
             try:
@@ -134,25 +154,18 @@ class LaunchRecorder:
         return ret
 
     def _refused(self, kernel, bound: dict) -> str | None:
-        """Why a launch may not run: candidate Python inside Triton's launch (a pre-run hook, a
-        method of an argument's class, a tensor subclass) would run where the data-flow log is
-        paused and the launch's own checksums are taken."""
-        import torch
+        """Why a launch may not run: candidate Python inside Triton's launch (a pre-run hook, any
+        method or attribute of an argument Triton asks, such as `data_ptr` or `untyped_storage`)
+        would run where the data-flow log is paused and the launch's own checksums are taken. So
+        arguments are of exact, known types only."""
         if getattr(kernel, "pre_run_hooks", None):
             return "it has pre-run hooks"
+        plain, descriptors = self.argument_types
         for param, v in bound.items():
             cls = type(v)
-            if cls in _PLAIN_ARGUMENTS or cls is torch.Tensor or cls is torch.nn.Parameter:
-                continue
-            if isinstance(v, torch.Tensor):
-                return f"argument {param} is a tensor subclass ({cls.__name__})"
-            if any(self._candidate_function(f) for klass in cls.__mro__ for f in vars(klass).values()):
-                return f"argument {param} is of a class with the candidate's own methods ({cls.__name__})"
+            if cls not in plain and not (cls in descriptors and type(v.base) in plain):
+                return f"argument {param} is a {launch_pattern.type_name(cls)}: not a tensor, number, string, dtype or Triton's own"
         return None
-
-    def _candidate_function(self, f) -> bool:
-        code = getattr(getattr(f, "__func__", f), "__code__", None)  # classmethod, staticmethod
-        return code is not None and code.co_filename in self.candidate_names
 
     @staticmethod
     def _sums(bound: dict) -> list:
@@ -447,7 +460,7 @@ class Runner:
 # the launch names or the data-flow log is replaced as it should be)
 _RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "structure", "snapshot", "watched",
                  "threads0", "generators", "job_dir", "candidate", "report")
-_RECORDER_FIXED = ("candidate_file", "candidate_names", "_mine", "_signatures", "installed", "expected_stream", "originals")
+_RECORDER_FIXED = ("candidate_file", "argument_types", "_mine", "_signatures", "installed", "expected_stream", "originals")
 
 
 def _describe_objects(objects: dict[str, tuple[Any, tuple[str, ...]]]) -> str:

@@ -51,7 +51,7 @@ import weakref
 from typing import Any, Callable, Union
 
 from drkernel import ipc, procfs
-from drkernel.ipc import kill_note, read_output
+from drkernel.ipc import ESCAPED, kill_note, read_output
 
 STATUSES = ("ok", "exception", "timeout", "signal", "exit_no_result", "oom", "oversized_result",
             "sandbox_error")
@@ -174,10 +174,9 @@ def _signal_job(root: int, pgid: int) -> dict:
     with contextlib.suppress(OSError):
         os.killpg(pgid, signal.SIGKILL)
     procs = _job_processes(root, pgid)
-    for pid, st in procs.items():
-        if st.state != "Z":
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+    for pid in procs:  # zombies too: one whose main thread exited may still run others
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
     return procs
 
 
@@ -386,6 +385,11 @@ class _Tree:
     threads: int = 0
     rss_bytes: int = 0
 
+    def add(self, other: "_Tree") -> None:
+        self.pids += other.pids
+        self.procs, self.threads = self.procs + other.procs, self.threads + other.threads
+        self.rss_bytes += other.rss_bytes
+
 
 # (limit, the _Tree field it bounds, the reason that ends the whole job, why a tree is killed)
 _LIMITS = (("max_rss_mb", "rss_bytes", "oom", "it used more memory than the job allows"),
@@ -395,39 +399,40 @@ _LIMITS = (("max_rss_mb", "rss_bytes", "oom", "it used more memory than the job 
 
 def _police(root: int, child: int, runners: list[tuple[str, int]],
             lim: SandboxLimits) -> tuple[dict[int, _Tree], str | None]:
-    """The job's process trees (by the zygote's child each descends from), after reaping the
-    zombies re-parented to the zygote, and the reason to end the whole job, if any: a tree over a
-    limit is killed here when it is not the child's own (the next round sees it gone)."""
+    """The job's process trees (by the zygote's child each descends from; every process that left
+    its runner, re-parented to the zygote, under `ESCAPED`), after reaping the dead re-parented
+    to the zygote, and the reason to end the whole job, if any. Over a limit, the heaviest tree
+    besides the child's is killed here (the next round sees it gone); only when the child's own
+    tree is over the limit alone does the whole job end."""
     table = _job_processes(root, child)
     known = {child, *(p for _, p in runners)}
     for pid, st in list(table.items()):
-        if st.ppid == root and st.state == "Z" and pid not in known:
+        if st.ppid == root and pid not in known and st.state == "Z" and not procfs.alive(pid):
             with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-            del table[pid]
-    trees = _trees(table, root)
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    del table[pid]
+    trees = _trees(table, root, known)
     for limit, field, reason, why in _LIMITS:
-        scale = 2**20 if limit == "max_rss_mb" else 1
-        if sum(getattr(t, field) for t in trees.values()) > getattr(lim, limit) * scale:
+        cap = getattr(lim, limit) * (2**20 if limit == "max_rss_mb" else 1)
+        if sum(getattr(t, field) for t in trees.values()) > cap:
             heaviest = _heaviest(trees, field, child)
-            if heaviest is None:
+            if heaviest is None or getattr(trees.get(child, _Tree()), field) > cap:
                 return trees, reason
             _kill_tree(trees[heaviest], heaviest, runners, why)
     return trees, None
 
 
 def _heaviest(trees: dict[int, _Tree], field: str, child: int) -> int | None:
-    """The head of the tree holding the most of `field` besides the child's, if it holds more than
-    the child's own (None: the child's own tree is the problem)."""
-    own = getattr(trees.get(child, _Tree()), field)
-    others = [(getattr(t, field), head) for head, t in trees.items() if head != child]
-    most, head = max(others, default=(0, None))
-    return head if most > own else None
+    """The head of the tree holding the most of `field` besides the child's (None: none holds any)."""
+    most, head = max(((getattr(t, field), h) for h, t in trees.items() if h != child), default=(0, None))
+    return head if most > 0 else None
 
 
-def _trees(table: dict[int, procfs.Stat], root: int) -> dict[int, _Tree]:
-    """The processes of `table` grouped by the child of `root` (the zygote) they descend from; a
-    process whose parent is outside the table heads its own tree."""
+def _trees(table: dict[int, procfs.Stat], root: int, known: set[int]) -> dict[int, _Tree]:
+    """The processes of `table` grouped by the child of `root` (the zygote) they descend from;
+    those under a head that is not `known` (the child, the runners) under `ESCAPED`. A process
+    whose parent is outside the table heads its own tree; one that reads as a zombie counts the
+    threads it still runs."""
     head: dict[int, int] = {}
     for start in table:
         chain, pid = [], start
@@ -435,27 +440,34 @@ def _trees(table: dict[int, procfs.Stat], root: int) -> dict[int, _Tree]:
             chain.append(pid)
             parent = table[pid].ppid
             if parent == root or parent not in table:
-                head[pid] = pid
+                head[pid] = pid if pid in known else ESCAPED
                 break
             pid = parent
         for p in chain:
             head[p] = head[pid]
     trees: dict[int, _Tree] = {}
     for pid, st in table.items():
-        tree = trees.setdefault(head[pid], _Tree())
-        tree.pids.append(pid)
-        tree.procs += 1
-        if st.state not in ("Z", "X"):
-            tree.threads += st.threads
-            tree.rss_bytes += st.rss_bytes
+        trees.setdefault(head[pid], _Tree()).add(_holding(pid, st))
     return trees
 
 
+def _holding(pid: int, st: procfs.Stat) -> _Tree:
+    """What one process holds: its pid, and the threads and memory of those of its threads that run."""
+    if st.state not in ("Z", "X"):
+        return _Tree(pids=[pid], procs=1, threads=st.threads, rss_bytes=st.rss_bytes)
+    live = procfs.live_tasks(pid)
+    return _Tree(pids=[pid], procs=1, threads=len(live), rss_bytes=live[0].rss_bytes if live else 0)
+
+
 def _kill_tree(tree: _Tree, head: int, runners: list[tuple[str, int]], why: str) -> None:
-    """Kill a process tree; a runner's gets a note saying `why`."""
+    """Kill a process tree. A runner's gets a note saying `why`; processes that left their runner
+    leave one for whichever candidate's turn it is (`kill_note(..., ESCAPED)`)."""
     runner_dir = dict((pid, d) for d, pid in runners).get(head)
     if runner_dir is not None:
         _kill_runner(runner_dir, head, why)
+    elif head == ESCAPED and runners:
+        with contextlib.suppress(OSError), open(kill_note(runners[0][0], ESCAPED), "w") as fh:
+            fh.write(f"{len(tree.pids)} process(es) that left the candidate's runner: {why}")
     for pid in tree.pids:  # members that left the runner's group too
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
@@ -614,9 +626,9 @@ def _zygote_job(job: dict, pipe_fds: tuple[int, int]) -> dict:
 # What of the caller's environment the fork server, and so every job and its candidate code, gets:
 # what Python, the C compiler, CUDA, Triton and torch read; never the rest (API keys, tokens).
 _ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "TERM", "CC", "CXX",
-                        "VIRTUAL_ENV", "LIBRARY_PATH", "CPATH", "C_INCLUDE_PATH"})
-_ENV_PREFIXES = ("PYTHON", "LC_", "LD_", "CUDA", "NVIDIA_", "TRITON_", "TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_",
-                 "OPENBLAS_", "CUBLAS", "CUDNN_", "NCCL_", "CONDA_", "DRKERNEL_", "XDG_")
+                        "VIRTUAL_ENV", "CONDA_PREFIX", "LIBRARY_PATH", "CPATH", "C_INCLUDE_PATH", "XDG_CACHE_HOME"})
+_ENV_PREFIXES = ("PYTHON", "LC_", "LD_", "CUDA_", "NVIDIA_", "TRITON_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "OMP_",
+                 "MKL_", "KMP_", "OPENBLAS_", "CUBLAS_", "CUDNN_", "NCCL_")
 
 
 def _inherited_environment(environ) -> dict[str, str]:

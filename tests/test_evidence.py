@@ -277,7 +277,16 @@ _ZOMBIES = """
                 os.posix_spawn("/bin/true", ["true"], {})  # never reaped: each holds a pid"""
 
 
-@pytest.mark.parametrize("spawn", [_SLEEPERS, _ZOMBIES], ids=["sleepers_leaving_the_group", "zombies"])
+_ORPHANS = """
+                if os.fork() == 0:  # re-parented to the zygote: each a tree of one, as the judge's own is
+                    if os.fork() == 0:
+                        time.sleep(30)
+                    os._exit(0)
+                os.wait()"""
+
+
+@pytest.mark.parametrize("spawn", [_SLEEPERS, _ZOMBIES, _ORPHANS],
+                         ids=["sleepers_leaving_the_group", "zombies", "orphans_of_the_zygote"])
 def test_a_process_bomb_is_killed_alone_and_its_group_goes_on(spawn):
     """Over the job's process limit (zombies count: they hold pids), the tree of the runner that
     started them is killed, even the members that left its group, not the whole job with every
@@ -292,8 +301,51 @@ def test_a_process_bomb_is_killed_alone_and_its_group_goes_on(spawn):
     ref = str(TASKS / "1_ReLU.py")
     with Evaluator(cfg()) as ev:
         results = ev.evaluate_many([(ref, LEGIT_RELU), (ref, bomb), (ref, LEGIT_RELU)])
-    assert [r.verdict for r in results] == ["correct", "crashed", "correct"], [(r.verdict, r.error) for r in results]
-    assert "killed: it started more processes than the job allows" in results[1].error
+    assert results[0].verdict == results[2].verdict == "correct", [(r.verdict, r.error) for r in results]
+    assert results[0].details["overhead_s"]["group"] > 1, "the group's job ended: its candidates were judged again"
+    assert results[1].verdict in ("crashed", "hacked"), (results[1].verdict, results[1].error)
+    assert "it started more processes than the job allows" in results[1].error, results[1].error
+
+
+_LEADER = r"""
+import ctypes, os, sys, threading, time
+runner = int(sys.argv[1])
+def keep_forking():  # once its runner is gone, children that look like the next candidate's
+    while os.path.exists(f"/proc/{runner}/task"):
+        time.sleep(0.01)
+    for _ in range(3000):
+        if os.fork() == 0:
+            if os.fork() == 0:
+                time.sleep(0.5)
+            os._exit(0)
+        os.wait()
+        time.sleep(0.02)
+threading.Thread(target=keep_forking).start()
+ctypes.CDLL(None).syscall(60, 0)  # the main thread exits: /proc says "Z", the thread runs on
+"""
+
+
+def test_a_process_that_reads_as_a_zombie_but_runs_a_thread_is_found_and_killed():
+    """A process whose main thread exited reads as a zombie in /proc/<pid>/stat while its other
+    threads run: it counts as alive, it is the candidate's stray, and it is killed with its turn."""
+    from tests.test_evaluator import LEGIT_RELU, relu_candidate
+    leader = relu_candidate(f"""
+        if not hasattr(self, "planted"):
+            self.planted = True
+            runner = os.getpid()
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    os.execv(sys.executable, [sys.executable, "-c", {_LEADER!r}, str(runner)])
+                os._exit(0)
+            os.wait()
+            time.sleep(0.5)
+        return launch(x)""", extra="import os\nimport sys\nimport time\n")
+    ref = str(TASKS / "1_ReLU.py")
+    with Evaluator(cfg()) as ev:
+        results = ev.evaluate_many([(ref, leader), (ref, LEGIT_RELU), (ref, LEGIT_RELU + "# another\n")])
+    assert results[0].verdict == "hacked" and "thread_spawned" in results[0].hacks, (results[0].verdict, results[0].error)
+    assert [r.verdict for r in results[1:]] == ["correct", "correct"], [(r.verdict, r.error) for r in results]
 
 
 def test_what_a_candidate_leaves_running_or_unreaped_is_never_blamed_on_the_next():

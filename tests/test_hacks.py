@@ -413,9 +413,17 @@ def test_a_sparse_output_is_a_bad_output_type_not_a_crash_of_the_evidence_code()
     "import signal\nsignal.signal(signal.SIGUSR2, handler)",  # a handler is handed the running frame
     "from operator import attrgetter\nup = attrgetter('f_' + 'back')",
     "import operator\nup = operator.methodcaller(name)",
-    "name = 'f_' + 'back'\nup = getattr(frame, name)",
+    "up = getattr(frame, 'f_' + 'back')",
     "import bdb", "import cProfile", "import faulthandler",  # debuggers and profilers get frames
     "import pickle", "payload = b'csys\\n_getframe\\n'",  # objects rebuilt from data
 ])
 def test_the_source_scan_finds_the_routes_to_the_runners_frames(snippet):
     assert "reference_access" in {code for code, _ in integrity.static_scan(snippet)}, snippet
+
+
+@pytest.mark.parametrize("snippet", [
+    "for name in ('weight', 'bias'):\n    setattr(self, name, nn.Parameter(getattr(ref, name).clone()))",
+    "def forward(self, x):\n    return self._dispatch(x)",  # a helper's name is not one of torch's mode readers
+])
+def test_the_source_scan_passes_what_honest_kernels_write(snippet):
+    assert integrity.static_scan(snippet) == [], snippet
