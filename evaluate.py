@@ -49,7 +49,6 @@ interpreter: `TRITON_INTERPRET=1` is set before anything imports triton.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import sys
 import tempfile
@@ -67,7 +66,7 @@ from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl
 from drkernel.layouts import Candidate, LayoutError, Scan, Skipped, attempt_name, scan_candidates
 from drkernel.report import report_problems
-from drkernel.tasks import Task
+from drkernel.tasks import Task, text_digest
 
 PROG = "evaluate.py"
 RESULTS_FILE = "results.jsonl"
@@ -224,7 +223,7 @@ class Attempt:
     @property
     def candidate_sha(self) -> str | None:
         code = self.candidate.code
-        return None if code is None else hashlib.sha256(code.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        return None if code is None else text_digest(code)[:16]
 
 
 @dataclasses.dataclass
@@ -322,6 +321,8 @@ def collect_inputs(cfg: EvaluateConfig, tasks: Sequence[Task]) -> Inputs:
         task = index.find(c)
         if task is None:
             inputs.skip(c, f"no such problem among the selected tasks ({selection_text(cfg)})")
+        elif problem := task.row_problem(c.task_columns, require_name=False):  # a row of another task set
+            inputs.skip(c, problem)
         else:
             inputs.add(Attempt(c, task))
     if not inputs.attempts:

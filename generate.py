@@ -40,7 +40,7 @@ duplicates one. A row is reused only when it holds every column of its declared 
 (`row_problem`: `RowColumns`, the evaluator's result types, `ROW_SETTINGS`); any other is one of
 the malformed rows. A file written with another model, turn plan or any of `ROW_SETTINGS` is
 refused, naming the keys; so is one with a row that does not name the selected task of its
-`task_key` (`drkernel.sft_data.task_problem`: its file name and code digest, the rule the summary
+`task_key` (`Task.row_problem`: its file name and code digest, the rule the summary
 and the SFT conversion apply too), as it was written for other tasks. A later STTS round is
 rebuilt from the rows.
 """
@@ -74,7 +74,6 @@ from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl
 from drkernel.prompts import FORMAT_ERROR
 from drkernel.report import report_problems
 from drkernel.rollout import RolloutConfig
-from drkernel.sft_data import task_columns, task_problem
 
 ROW_RESULT_FIELDS = ("verdict", "compiled", "correct", "speedup", "triton_time_share", "hacks", "error",
                      "ref_ms", "candidate_ms", "max_abs_err", "max_rel_err", "kernels", "timing")
@@ -289,11 +288,11 @@ def _evaluate_pairs(evaluator, reference_dir: str | os.PathLike, pairs: list) ->
 
 def _identity(cfg: GenerateConfig, plan: Sequence[int], task, sample: int, iteration: int, iter_turn: int,
               policy: Policy) -> dict:
-    """The columns every row starts with: the task's (`task_columns`: with evaluate.py's `level,
+    """The columns every row starts with: the task's (`Task.columns`: with evaluate.py's `level,
     problem_id`, its file name and code digest), `sample, turn` (`turn` is global: the round's
     offset in `plan`, turns per round, + the turn within it), the turn plan, the model and
     `ROW_SETTINGS`."""
-    return {**task_columns(task), "sample": int(sample), "turn": stts.round_offsets(plan)[iteration] + iter_turn,
+    return {**task.columns(), "sample": int(sample), "turn": stts.round_offsets(plan)[iteration] + iter_turn,
             "iteration": int(iteration), "iter_turn": int(iter_turn), "num_turns": int(cfg.num_turns),
             "round_turns": int(plan[iteration]), "model": policy.name,
             "settings": {k: getattr(cfg, k) for k in ROW_SETTINGS}}
@@ -334,7 +333,6 @@ class RowColumns(TypedDict):
     problem_id: int
     task: str
     task_key: str
-    task_sha: str
     sample: int
     turn: int
     iteration: int
@@ -412,9 +410,9 @@ def _check_rows(path: Path, rows: list[dict], cfg: GenerateConfig, plan: list[in
 
 def _keyed(rows: list[dict], tasks: Sequence) -> list[tuple[dict, str | None]]:
     """Each row keyed (`task_key`) to one of `tasks`, with why it does not answer that task
-    (`task_problem`: a file written for another task set, or a row at odds with itself; None: it does)."""
+    (`Task.row_problem`: a file written for another task set, or a row at odds with itself; None: it does)."""
     by_key = {t.key: t for t in tasks}
-    return [(r, task_problem(r, by_key[r["task_key"]])) for r in rows if r["task_key"] in by_key]
+    return [(r, by_key[r["task_key"]].row_problem(r)) for r in rows if r["task_key"] in by_key]
 
 
 def _check_tasks(path: Path, rows: list[dict], tasks: Sequence) -> None:

@@ -222,11 +222,13 @@ def _read_by(resp: http.client.HTTPResponse, deadline: float) -> bytes:
     the socket's timeout bounds each read only, so a server trickling a byte at a time would
     otherwise hold the request forever."""
     chunks = []
-    while chunk := resp.read1(READ_CHUNK):
-        chunks.append(chunk)
+    while True:
         if time.monotonic() > deadline:
             raise TimeoutError("the reply did not arrive in time")
-    return b"".join(chunks)
+        chunk = resp.read1(READ_CHUNK)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 class OpenAIChatClient:

@@ -471,18 +471,21 @@ def limits(cls: type) -> dict[str, Limit | OneOf]:
 
 
 def limit_problems(cfg: Any) -> list[str]:
-    """One sentence per setting of `cfg` of another type than its field's or outside its limit
-    (empty: all fine)."""
+    """One sentence per setting of `cfg` of another type than its field declares (int, float,
+    str, bool, each `| None`) or outside its limit (empty: all fine)."""
     hints = typing.get_type_hints(type(cfg))
-    found = (_type_problem(name, getattr(cfg, name), hints.get(name)) or limit.problem(name, getattr(cfg, name))
-             for name, limit in limits(type(cfg)).items())
+    bounds = limits(type(cfg))
+    found = (_type_problem(f.name, getattr(cfg, f.name), hints.get(f.name))
+             or (bounds[f.name].problem(f.name, getattr(cfg, f.name)) if f.name in bounds else None)
+             for f in dataclasses.fields(cfg))
     return [p for p in found if p]
 
 
 def _type_problem(name: str, value: Any, hint: Any) -> str | None:
     """Why `value` is not of the type `hint` declares (int, float, str, bool, each `| None`), if it
     is not: a library caller's `trials=2.5` or `timeout="30"` is refused here, not deep in a job."""
-    kinds = tuple(k for k in (typing.get_args(hint) or (hint,)) if k in (int, float, str, bool, type(None)))
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    kinds = tuple(k for k in (typing.get_args(hint) if union else (hint,)) if k in (int, float, str, bool, type(None)))
     if not kinds:
         return None
     ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)

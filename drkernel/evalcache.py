@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import functools
 import glob
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -37,6 +36,7 @@ from typing import Any, Callable, Collection, Hashable, Mapping, Sequence, TypeV
 
 from drkernel.evaltypes import VERDICTS, EvalConfig, EvalResult
 from drkernel.jsonl import field_problem
+from drkernel.tasks import text_digest
 
 # Bump when the key's recipe or the meaning of a stored result changes: old entries then miss.
 CACHE_VERSION = 1
@@ -150,17 +150,13 @@ def verdict_settings(cfg: EvalConfig) -> dict:
     return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in NON_VERDICT_FIELDS}
 
 
-def _sha256(text: str) -> str:
-    """sha256 (hex) of `text`'s UTF-8 bytes. A lone surrogate (valid JSON, e.g. from an API reply)
-    is hashed as its own bytes: distinct texts keep distinct keys and no text raises here."""
-    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def cache_key(reference_code: str, candidate_code: str, cfg: EvalConfig, env: Mapping[str, str]) -> str:
     """sha256 (hex) of the version, both programs' exact text, the verdict settings and `env`."""
-    recipe = {"version": CACHE_VERSION, "reference": _sha256(reference_code), "candidate": _sha256(candidate_code),
+    recipe = {"version": CACHE_VERSION, "reference": text_digest(reference_code), "candidate": text_digest(candidate_code),
               "settings": verdict_settings(cfg), "environment": dict(env)}
-    return _sha256(json.dumps(recipe, sort_keys=True, separators=(",", ":"), default=repr))
+    return text_digest(json.dumps(recipe, sort_keys=True, separators=(",", ":"), default=repr))
 
 
 def cacheable(result: EvalResult) -> bool:

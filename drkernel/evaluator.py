@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ from drkernel.channel import cuda_fault, short
 from drkernel.confine import hidden_dirs
 from drkernel.gpushare import MemoryLedger
 from drkernel.sandbox import SandboxLimits, SandboxPool
+from drkernel.tasks import text_digest
 
 
 
@@ -219,9 +219,9 @@ class _Prepared:
             self.early = EvalResult(verdict="runtime_error", error=f"cannot read input: {exc}")
             return
         self.early = _static_checks(cand_code, cfg)
-        self.ref_digest = hashlib.sha256(ref_code.encode()).hexdigest()[:12]
+        self.ref_digest = text_digest(ref_code)[:12]
         self.ref_path = os.path.join(self.dir, f"reference_{self.ref_digest}.py")
-        self.cand_path = os.path.join(self.dir, "candidate_" + hashlib.sha256(cand_code.encode()).hexdigest()[:12] + ".py")
+        self.cand_path = os.path.join(self.dir, "candidate_" + text_digest(cand_code)[:12] + ".py")
         if self.early is not None:
             return
         from drkernel import integrity
@@ -275,8 +275,8 @@ def _text(src: Any) -> str:
         text = _read(src)[0]
     except OSError:  # the path itself: read again for its item alone, it is that item's verdict
         text = os.fspath(src)
-    # a lone surrogate (JSON can carry one) cannot be written, hashed or parsed: U+FFFD like bad bytes
-    return text.encode("utf-8", "replace").decode("utf-8")
+    # a lone surrogate (JSON can carry one) cannot be written or parsed: U+FFFD, as bad bytes become
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def _pair(item: Any) -> tuple[Any, Any]:
@@ -570,7 +570,7 @@ class Evaluator:
                   "config": dataclasses.asdict(self.cfg), "exclusive": exclusive, "defer": defer}
         res = self.pool.run(_JUDGE, kwargs, runners=[_RUNNER] * (1 + len(todo)),
                             limits=_limits(self.cfg, jobs=1 + len(todo)))
-        if res.status != "ok" and len(todo) > 1:
+        if res.status not in ("ok", "sandbox_error") and len(todo) > 1:  # not the sandbox's own failure
             return [run for p in todo for run in self._judge([p], exclusive, defer)]
         runs = []
         for prep, result in zip(todo, _map_group(res, len(todo))):

@@ -149,10 +149,11 @@ def _string_findings(s: str, reference_path: str | None) -> list[tuple[str, str]
 
 def _dynamic_attribute(node: ast.AST) -> bool:
     """`getattr(x, "a" + "b")` and the like: a name assembled where the call is, which no scan
-    sees (a plain variable passes: `for name in ("weight", "bias"): setattr(self, name, ...)`)."""
+    sees (a variable passes: `for name in ("weight", "bias"): setattr(self, name, ...)`,
+    `getattr(F, self.activation)`)."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2
-            and not isinstance(node.args[1], (ast.Constant, ast.Name)))
+            and not isinstance(node.args[1], (ast.Constant, ast.Name, ast.Attribute)))
 
 
 # --------------------------------------------------------------------------------------

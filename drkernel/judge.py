@@ -1196,7 +1196,7 @@ def profile(j: Judge) -> None:
         j.details["profile_error"] = err.error[:300]
         rows = []
     if rows:
-        _timed_calls_ran_them(j, rows)
+        _timed_calls_ran_them(j, rows)  # it can only cost the candidate: also where the traces are doubted
         summary = profiling.summarize_kernels(rows, set(j.kernels), j.flow.fractions())
         doubt = _profile_doubt(j, summary, rows, wall_ms)
         if doubt:
@@ -1476,6 +1476,7 @@ def evaluate(reference_path: str, candidate_paths: list[str], config: dict, runn
             # the first candidate's share of the job holds the group's phases too
             waited = dict(r.gpu.waited) if r.gpu is not None and k else {}
             runner.deadline = time.monotonic() + float(r.cfg.timeout)
+            runner.escaped_kills()  # a note that landed after the last turn ended is no one's now
             _init_runner(r, runner, os.path.join(runner.dir, os.path.basename(path)))
             results.append(_judge_candidate(r, runner, path, started if k else t0, waited))
         return {"results": results}

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 type_name = type.__dict__["__qualname__"].__get__  # a class's name from type's own slot: no metaclass property answers
+SCALAR_TYPES = (bool, int, float, str, type(None))  # exact types: a subclass may carry methods of its own
 MAX_LAUNCHES = 2048  # a level-3 forward launches a few hundred; past this only the count is kept
 
 
@@ -42,7 +43,7 @@ def _arg(param: str, v: Any, key, roles: dict, tensors: tuple[type, ...]) -> str
     # Exact types only: a subclass's own `__repr__` or `stride` would describe it as it likes
     if type(v) in tensors:
         return f"{param}=T:{v.dtype}:{tuple(v.shape)}:{v.stride()}:{roles.get(key(v), 'own')}"
-    if type(v) in (bool, int, float, str, type(None)):
+    if type(v) in SCALAR_TYPES:
         return f"{param}=S:{v!r}"
     return f"{param}=O:{type_name(type(v))}"
 

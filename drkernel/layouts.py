@@ -73,6 +73,7 @@ class Candidate:
     name: str | None = None
     origin: str = ""
     generation_error: str | None = None
+    task_columns: dict = dataclasses.field(default_factory=dict)  # a generations row's `Task.columns()` it holds
 
     @property
     def key(self) -> tuple:
@@ -222,8 +223,9 @@ def _generation(row: dict, where: str) -> Candidate:
     if code is not None and not isinstance(code, str):
         raise ValueError(f"`code` must be a string or null, not {json.dumps(code)[:40]}")
     failed = row.get("generation_error")
+    named = {k: row[k] for k in ("task", "task_key", "task_sha") if k in row}
     return Candidate(level, pid, sample, turn, None, code if code and code.strip() else None, None, where,
-                     str(failed) if failed else None)
+                     str(failed) if failed else None, named)
 
 
 def _row_attempt(row: dict) -> str:

@@ -23,6 +23,7 @@ process between requests (docs/security.md).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import importlib.util
@@ -40,7 +41,6 @@ from drkernel.channel import evidence_digest
 
 _perf = time.perf_counter  # bound before any candidate code exists
 CANDIDATE_MODULE = "_drk_candidate"
-_PLAIN_ARGUMENTS = (int, float, bool, str, type(None))  # exact types: a subclass may carry methods
 
 
 def _caller_code():
@@ -60,22 +60,59 @@ def concrete_grid(grid, bound: dict) -> tuple[int, ...]:
     return tuple(int(x) for x in g)
 
 
-def _launch_argument_types() -> tuple[frozenset, frozenset]:
-    """(the exact types a launch argument may have, Triton's tensor descriptor types): plain
-    values and numpy's scalars, torch's tensors and dtypes, Triton's dtypes, constexprs and kernels
-    (a kernel may take another as a constexpr). Every method of these is the library's own."""
+@dataclasses.dataclass(frozen=True)
+class ArgumentTypes:
+    """The exact types a launch argument may have: every method Triton may call on one of these
+    is the library's own (a subclass, or a look-alike with `data_ptr`, runs candidate Python
+    inside the launch, where the data-flow log is paused and the launch's checksums are taken)."""
+    plain: frozenset  # numbers, strings, None, dtypes, Triton's kernels
+    tensors: frozenset  # torch.Tensor, nn.Parameter
+    constexpr: type  # Triton's constexpr: what it holds is checked too
+    descriptors: frozenset  # Triton's tensor descriptors: their base tensor and sizes are checked too
+
+    def foreign(self, v: Any, depth: int = 0) -> str | None:
+        """What in `v` is of no allowed type (its type's name), or None when nothing is."""
+        cls = type(v)
+        if cls in self.plain:
+            return None
+        if cls in self.tensors:  # an instance attribute would shadow a method Triton calls (data_ptr)
+            return f"{launch_pattern.type_name(cls)} with attributes of its own" if _shadows(v) else None
+        inner: list = []
+        if depth < 4 and cls is tuple:
+            inner = list(v)
+        elif depth < 4 and cls is self.constexpr:
+            inner = [v.value]
+        elif depth < 4 and cls in self.descriptors:
+            inner = [v.base, *v.shape, *v.strides, *v.block_shape]
+            if type(v.base) not in self.tensors:
+                return f"{launch_pattern.type_name(cls)} over a {launch_pattern.type_name(type(v.base))}"
+        else:
+            return launch_pattern.type_name(cls)
+        return next(filter(None, (self.foreign(x, depth + 1) for x in inner)), None)
+
+
+def _shadows(t) -> bool:
+    """A tensor with an instance attribute named like one of torch.Tensor's."""
+    import torch
+    return any(hasattr(torch.Tensor, k) for k in vars(t))
+
+
+def _launch_argument_types() -> ArgumentTypes:
+    """The `ArgumentTypes` of the installed torch, Triton and numpy."""
     import torch
     import triton.language as tl
-    plain = {*_PLAIN_ARGUMENTS, torch.Tensor, torch.nn.Parameter, torch.dtype, tl.dtype, tl.pointer_type, tl.constexpr}
+    plain = {*launch_pattern.SCALAR_TYPES, torch.dtype, tl.dtype, tl.pointer_type}
     for module, names in (("triton.runtime.jit", ("JITFunction",)), ("triton.runtime.interpreter", ("InterpretedFunction",)),
-                          ("numpy", ("bool_", "int32", "int64", "uint32", "uint64", "float16", "float32", "float64"))):
+                          ("numpy", ("bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                                     "float16", "float32", "float64"))):
         with contextlib.suppress(ImportError):
             mod = importlib.import_module(module)
             plain.update(t for t in (getattr(mod, n, None) for n in names) if isinstance(t, type))
     descriptors = set()
     with contextlib.suppress(ImportError):
         descriptors.add(importlib.import_module("triton.tools.tensor_descriptor").TensorDescriptor)
-    return frozenset(plain), frozenset(descriptors)
+    return ArgumentTypes(frozenset(plain), frozenset({torch.Tensor, torch.nn.Parameter}), tl.constexpr,
+                         frozenset(descriptors))
 
 
 class LaunchRecorder:
@@ -99,7 +136,7 @@ class LaunchRecorder:
         self._signatures: dict[Any, inspect.Signature] = {}
         self.installed: dict[str, tuple[Any, str]] = {}
         self.originals: tuple = ()  # Triton's own `run`s, the only launchers `_launch` accepts
-        self.argument_types: tuple[frozenset, frozenset] = (frozenset(), frozenset())  # `install` knows them
+        self.argument_types: ArgumentTypes | None = None  # `install` knows them
 
     def install(self) -> dict[str, tuple[Any, str]]:
         self.argument_types = _launch_argument_types()
@@ -135,7 +172,7 @@ class LaunchRecorder:
         if _caller_code() is not _hook_code(self._wrap) or not any(orig is o for o in self.originals):
             raise RuntimeError("the launch recorder is entered through Triton's launch only")
         bound = self._bind(kernel, args, kwargs)
-        refused = self._refused(kernel, bound)
+        refused = self._refused(kernel, bound, kwargs)
         if refused:
             raise RuntimeError(f"launch of {kernel.fn.__name__} refused: {refused}")
         grid = concrete_grid(grid, bound)
@@ -153,18 +190,17 @@ class LaunchRecorder:
             self._record(kernel, bound, grid, changed)
         return ret
 
-    def _refused(self, kernel, bound: dict) -> str | None:
+    def _refused(self, kernel, bound: dict, kwargs: dict) -> str | None:
         """Why a launch may not run: candidate Python inside Triton's launch (a pre-run hook, any
         method or attribute of an argument Triton asks, such as `data_ptr` or `untyped_storage`)
         would run where the data-flow log is paused and the launch's own checksums are taken. So
         arguments are of exact, known types only."""
         if getattr(kernel, "pre_run_hooks", None):
             return "it has pre-run hooks"
-        plain, descriptors = self.argument_types
-        for param, v in bound.items():
-            cls = type(v)
-            if cls not in plain and not (cls in descriptors and type(v.base) in plain):
-                return f"argument {param} is a {launch_pattern.type_name(cls)}: not a tensor, number, string, dtype or Triton's own"
+        given = (*bound.items(), *((k, v) for k, v in kwargs.items() if k not in bound))  # launch options too
+        for param, v in given:
+            if foreign := self.argument_types.foreign(v):
+                return f"argument {param} is a {foreign}: not a tensor, number, string, dtype or Triton's own"
         return None
 
     @staticmethod
@@ -448,7 +484,8 @@ class Runner:
         """The evidence machinery as it is now: the watched functions and classes, and the objects
         that hold it (an attribute set on one of them would shadow its class's method)."""
         objects = {"runner": (self, _RUNNER_FIXED), "recorder": (self.recorder, _RECORDER_FIXED),
-                   "snapshot": (self.snapshot, ())}
+                   "snapshot": (self.snapshot, ()),
+                   "argument types": (self.recorder.argument_types, tuple(f.name for f in dataclasses.fields(ArgumentTypes)))}
         return _describe_state(self.watched) + "\n" + _describe_objects(objects)
 
     def evidence(self, nonce: str) -> str | None:

@@ -337,10 +337,10 @@ def _call_target(job: dict) -> tuple[int, dict | None]:
 def _supervise(pid: int, lim: SandboxLimits, t0: float,
                runners: list[tuple[str, int]]) -> tuple[int, str | None, float]:
     """Wait for the child while policing time, memory, disk, processes and threads. Over a limit,
-    the process tree that holds the most besides the child's (a runner's, or one re-parented to
-    the zygote) is killed alone if it holds more than the child's own, and the child goes on with
-    the job's other runners; otherwise the whole job ends. A runner whose directory outgrows
-    `max_disk_mb` is killed alone. Returns (wait status, kill reason or None, peak RSS in MB)."""
+    the process tree that holds the most besides the child's (a runner's, or those re-parented to
+    the zygote) is killed alone and the child goes on with the job's other runners; only when the
+    child's own tree is over the limit does the whole job end (`_police`). A runner whose directory
+    outgrows `max_disk_mb` is killed alone. Returns (wait status, kill reason or None, peak RSS in MB)."""
     root = os.getpid()
     parent = os.getppid()
     pidfd = None
@@ -419,12 +419,15 @@ def _police(root: int, child: int, runners: list[tuple[str, int]],
             if heaviest is None or getattr(trees.get(child, _Tree()), field) > cap:
                 return trees, reason
             _kill_tree(trees[heaviest], heaviest, runners, why)
+            break  # the next round measures again without it
     return trees, None
 
 
 def _heaviest(trees: dict[int, _Tree], field: str, child: int) -> int | None:
-    """The head of the tree holding the most of `field` besides the child's (None: none holds any)."""
-    most, head = max(((getattr(t, field), h) for h, t in trees.items() if h != child), default=(0, None))
+    """The head of the tree holding the most of `field` besides the child's, among those that still
+    run a thread (a dead runner's zombie is nothing to kill); None when none holds any."""
+    most, head = max(((getattr(t, field), h) for h, t in trees.items() if h != child and t.threads),
+                     default=(0, None))
     return head if most > 0 else None
 
 
@@ -439,7 +442,7 @@ def _trees(table: dict[int, procfs.Stat], root: int, known: set[int]) -> dict[in
         while pid not in head:
             chain.append(pid)
             parent = table[pid].ppid
-            if parent == root or parent not in table:
+            if parent == root or parent not in table or parent in chain:  # a cycle: a pid reused mid-read
                 head[pid] = pid if pid in known else ESCAPED
                 break
             pid = parent
@@ -465,9 +468,9 @@ def _kill_tree(tree: _Tree, head: int, runners: list[tuple[str, int]], why: str)
     runner_dir = dict((pid, d) for d, pid in runners).get(head)
     if runner_dir is not None:
         _kill_runner(runner_dir, head, why)
-    elif head == ESCAPED and runners:
+    elif head == ESCAPED and runners and (live := [p for p in tree.pids if procfs.alive(p)]):
         with contextlib.suppress(OSError), open(kill_note(runners[0][0], ESCAPED), "w") as fh:
-            fh.write(f"{len(tree.pids)} process(es) that left the candidate's runner: {why}")
+            fh.write(f"{len(live)} process(es) that left the candidate's runner: {why}")
     for pid in tree.pids:  # members that left the runner's group too
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
@@ -628,7 +631,7 @@ def _zygote_job(job: dict, pipe_fds: tuple[int, int]) -> dict:
 _ENV_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "TERM", "CC", "CXX",
                         "VIRTUAL_ENV", "CONDA_PREFIX", "LIBRARY_PATH", "CPATH", "C_INCLUDE_PATH", "XDG_CACHE_HOME"})
 _ENV_PREFIXES = ("PYTHON", "LC_", "LD_", "CUDA_", "NVIDIA_", "TRITON_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "OMP_",
-                 "MKL_", "KMP_", "OPENBLAS_", "CUBLAS_", "CUDNN_", "NCCL_")
+                 "MKL_", "KMP_", "OPENBLAS_", "CUBLAS_", "CUDNN_", "NCCL_", "HIP_", "ROCR_", "HSA_", "ROCM_")
 
 
 def _inherited_environment(environ) -> dict[str, str]:

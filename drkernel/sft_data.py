@@ -33,7 +33,7 @@ From generations. `generations_to_sft` turns generate.py's JSONL (one row per sa
 turn) into `messages` rows: rejection-sampled distillation with reward/speedup thresholds,
 hacked turns dropped (the trajectory ends before them) and de-duplication by kernel hash.
 A row answers the selected task of its (level, problem_id) only when it names that task
-(`task_problem`, the rule generate.py's resume and summary apply too); any other is skipped and
+(`Task.row_problem`, the rule generate.py's resume and summary apply too); any other is skipped and
 named, so a file written for another task set never pairs one task's prompt with another's answer.
 
     python -m drkernel.sft_data --generations gen.jsonl --out sft.jsonl [--min_reward R] [--min_speedup S]
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -54,7 +53,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from drkernel import metrics
 from drkernel.config import TaskSelection, output_problem
 from drkernel.jsonl import finite, first_reasons, iter_jsonl
-from drkernel.tasks import Task
+from drkernel.tasks import Task, text_digest
 
 IGNORE_INDEX = -100
 BUNDLED_SFT = Path(__file__).parent / "data" / "sft" / "conversations.jsonl"
@@ -376,7 +375,7 @@ def kernel_hash(code: str) -> str:
     except (SyntaxError, ValueError):
         norm = "\n".join(" ".join(line.split()) for line in code.splitlines()
                          if line.strip() and not line.strip().startswith("#"))
-    return hashlib.sha256(norm.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return text_digest(norm)[:16]
 
 
 def _qualifies(row: dict, min_reward: float | None, min_speedup: float | None) -> bool:
@@ -415,24 +414,6 @@ class ConvertStats:
 _ROW_KEYS = ("level", "problem_id", "sample", "turn")  # counts that place a row in its trajectory
 
 
-def task_columns(task: Task) -> dict[str, Any]:
-    """The columns of a generation row that say which task it answers (generate.py writes them):
-    level, problem id, file name, `level_problemid` key and a digest of the task's code."""
-    return {"level": task.level, "problem_id": task.problem_id, "task": task.name, "task_key": task.key,
-            "task_sha": task.digest}
-
-
-def task_problem(row: Mapping[str, Any], task: Task) -> str | None:
-    """Why `row` is no answer to `task` (None: it is one). It must name the task's file (`task`),
-    and each other `task_columns` column it holds must be the task's: ids alone match the same
-    problem number of another task set (another file, other code) or a row at odds with itself."""
-    if "task" not in row:
-        return f"names no task (no `task` column): it may answer another task than {task.name}"
-    mine = task_columns(task)
-    differ = [f"{k} {row[k]!r} (not {mine[k]!r})" for k in mine if k in row and row[k] != mine[k]]
-    return f"answers another task than {task.name}: {', '.join(differ)}" if differ else None
-
-
 def _row_problem(row: dict) -> str | None:
     """Why a generation row cannot be placed in a conversation (None: it can)."""
     missing = [k for k in (*_ROW_KEYS, "response") if k not in row]
@@ -443,10 +424,10 @@ def _row_problem(row: dict) -> str | None:
 
 
 def _selected_task_problem(row: dict, by_key: Mapping[tuple[int, int], Task]) -> str | None:
-    """`task_problem` against the selected task of the row's (level, problem_id); None when there is
+    """`Task.row_problem` against the selected task of the row's (level, problem_id); None when there is
     none (the trajectory then counts as `missing_task`)."""
     task = by_key.get((row["level"], row["problem_id"]))
-    return None if task is None else task_problem(row, task)
+    return None if task is None else task.row_problem(row)
 
 
 def _trajectories(rows: Iterable[dict], by_key: Mapping[tuple[int, int], Task],
@@ -510,7 +491,7 @@ def generations_to_sft(rows: Iterable[dict], tasks: Sequence[Task], min_reward: 
                        train_failed_turns: bool = False) -> tuple[list[dict], ConvertStats]:
     """Rejection-sampled distillation from generation rows.
 
-    A row that does not name the selected task of its (level, problem_id) (`task_problem`) is
+    A row that does not name the selected task of its (level, problem_id) (`Task.row_problem`) is
     skipped and named. Per trajectory (level, problem_id, sample), turns in order:
     - a hacked turn and everything after it are dropped;
     - the trajectory is kept only if some remaining turn qualifies (correct, not hacked,

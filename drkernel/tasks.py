@@ -14,12 +14,18 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 DEFAULT_HUB_ID = "ScalingIntelligence/KernelBench"
 BUNDLED_DIR = Path(__file__).parent / "data" / "tasks"
 BUNDLED_SOLUTIONS_DIR = Path(__file__).parent / "data" / "solutions"
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
+
+
+def text_digest(text: str) -> str:
+    """sha256 (hex) of `text`'s UTF-8 bytes; a lone surrogate (JSON can carry one) is hashed as
+    its own bytes, so no text raises here."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 class TaskError(ValueError):
@@ -41,7 +47,23 @@ class Task:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(self.code.encode()).hexdigest()[:16]
+        return text_digest(self.code)[:16]
+
+    def columns(self) -> dict[str, Any]:
+        """The columns of a result row that say which task it answers: level, problem id, file
+        name, `key` and the digest of the code."""
+        return {"level": self.level, "problem_id": self.problem_id, "task": self.name, "task_key": self.key,
+                "task_sha": self.digest}
+
+    def row_problem(self, row: Mapping[str, Any], require_name: bool = True) -> str | None:
+        """Why `row` is no answer to this task (None: it is one): each of `columns()` it holds must
+        be this task's (ids alone match the same problem number of another task set: another file,
+        other code), and with `require_name` it must name the file."""
+        if require_name and "task" not in row:
+            return f"names no task (no `task` column): it may answer another task than {self.name}"
+        mine = self.columns()
+        differ = [f"{k} {row[k]!r} (not {mine[k]!r})" for k in mine if k in row and row[k] != mine[k]]
+        return f"answers another task than {self.name}: {', '.join(differ)}" if differ else None
 
     def write(self, directory: str | os.PathLike) -> Path:
         """Write the reference to a real file (the evaluator imports files, never `exec`s strings)."""

@@ -197,6 +197,20 @@ def test_cut_last_line_keeps_the_good_rows(tmp_path, fake, capsys):
         (tmp_path / "eval" / "report.md").read_text()
 
 
+def test_generations_of_another_task_set_are_skipped_and_named(tmp_path, fake):
+    """A row that names its task answers only that task: the same ids in another task set do not."""
+    from drkernel.tasks import load_bundled
+    relu = next(t for t in load_bundled() if t.problem_id == 1)
+    rows = [_gen(1, **relu.columns()), _gen(1, sample=1, task="1_Softmax.py"), _gen(1, sample=2, task_sha="0" * 16)]
+    gen = _write_jsonl(tmp_path / "gen.jsonl", rows)
+    s = evaluate.main(["--candidates", str(gen), "--problem_ids", "1", "--output_dir", str(tmp_path / "eval"),
+                       "--device", "cpu"])
+    assert len(fake["ev"].evaluated) == 1
+    skipped = _skipped(s)
+    assert "answers another task than" in skipped[(f"{gen}:2", "level 0 problem 1 sample 1 turn 0")]
+    assert "task_sha" in skipped[(f"{gen}:3", "level 0 problem 1 sample 2 turn 0")]
+
+
 def test_mistyped_rows_and_unknown_problems_are_skipped_and_named(tmp_path, fake):
     rows = [_gen(1), _gen(2, code=123), {**_gen(3), "level": "0"}, _gen(99),
             _gen(4, code=None, generation_error="HTTP 503")]

@@ -561,6 +561,30 @@ def test_a_launch_pattern_describes_arguments_by_their_exact_type():
                          "m=S:4096", "w=T:torch.float32:(2, 3):(3, 1):own"]
 
 
+def test_launch_arguments_are_of_exact_known_types_all_the_way_down():
+    """Nothing Triton asks of an argument inside the launch may be the candidate's Python."""
+    import types
+
+    import torch
+    import triton.language as tl
+
+    from drkernel import runner
+    allowed = runner._launch_argument_types()
+    t = torch.ones(3)
+
+    class Shown(int):
+        pass
+    shadowed = torch.ones(3)
+    shadowed.data_ptr = lambda: 0
+    assert [allowed.foreign(v) for v in (t, torch.nn.Parameter(t), (t, 3, tl.constexpr(4)), tl.float16, None, "x")] \
+        == [None] * 6
+    assert allowed.foreign(Shown(1)).endswith("Shown")
+    assert allowed.foreign(tl.constexpr(Shown(1))).endswith("Shown")  # what a constexpr holds
+    assert allowed.foreign((t, (Shown(1),))).endswith("Shown")
+    assert "attributes of its own" in allowed.foreign(shadowed)
+    assert allowed.foreign(types.SimpleNamespace(data_ptr=t.data_ptr, dtype=t.dtype)) == "SimpleNamespace"
+
+
 def test_recorded_launches_the_device_never_ran_are_a_forged_record():
     j = _flow_judge()
     j.last_launches = {"scratch_kernel": 2, "helper": 1}

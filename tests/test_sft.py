@@ -420,7 +420,7 @@ def test_resuming_a_damaged_checkpoint_exits_2_naming_it(full_run, tmp_path, tin
 
 # ----------------------------------------------------------------------------- generations -> SFT
 
-TASK_NAMES = {t.problem_id: t.name for t in load_bundled()}  # a row names its task's file (sft_data.task_problem)
+TASK_NAMES = {t.problem_id: t.name for t in load_bundled()}  # a row names its task's file (Task.row_problem)
 
 
 def gen_row(pid, sample, turn, verdict, reward, speedup=None, hacks=(), code="", level=0, **extra):
