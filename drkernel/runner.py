@@ -67,6 +67,7 @@ class ArgumentTypes:
     inside the launch, where the data-flow log is paused and the launch's checksums are taken)."""
     plain: frozenset  # numbers, strings, None, dtypes, Triton's kernels
     tensors: frozenset  # torch.Tensor, nn.Parameter
+    sequences: frozenset  # tuple, torch.Size: each item is checked too
     constexpr: type  # Triton's constexpr: what it holds is checked too
     descriptors: frozenset  # Triton's tensor descriptors: their base tensor and sizes are checked too
 
@@ -78,7 +79,7 @@ class ArgumentTypes:
         if cls in self.tensors:  # an instance attribute would shadow a method Triton calls (data_ptr)
             return f"{launch_pattern.type_name(cls)} with attributes of its own" if _shadows(v) else None
         inner: list = []
-        if depth < 4 and cls is tuple:
+        if depth < 4 and cls in self.sequences:
             inner = list(v)
         elif depth < 4 and cls is self.constexpr:
             inner = [v.value]
@@ -111,8 +112,8 @@ def _launch_argument_types() -> ArgumentTypes:
     descriptors = set()
     with contextlib.suppress(ImportError):
         descriptors.add(importlib.import_module("triton.tools.tensor_descriptor").TensorDescriptor)
-    return ArgumentTypes(frozenset(plain), frozenset({torch.Tensor, torch.nn.Parameter}), tl.constexpr,
-                         frozenset(descriptors))
+    return ArgumentTypes(frozenset(plain), frozenset({torch.Tensor, torch.nn.Parameter}), frozenset({tuple, torch.Size}),
+                         tl.constexpr, frozenset(descriptors))
 
 
 class LaunchRecorder:

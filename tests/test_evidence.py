@@ -576,8 +576,8 @@ def test_launch_arguments_are_of_exact_known_types_all_the_way_down():
         pass
     shadowed = torch.ones(3)
     shadowed.data_ptr = lambda: 0
-    assert [allowed.foreign(v) for v in (t, torch.nn.Parameter(t), (t, 3, tl.constexpr(4)), tl.float16, None, "x")] \
-        == [None] * 6
+    assert [allowed.foreign(v) for v in (t, torch.nn.Parameter(t), (t, 3, tl.constexpr(4)), tl.float16, None, "x",
+                                         t.shape)] == [None] * 7
     assert allowed.foreign(Shown(1)).endswith("Shown")
     assert allowed.foreign(tl.constexpr(Shown(1))).endswith("Shown")  # what a constexpr holds
     assert allowed.foreign((t, (Shown(1),))).endswith("Shown")
