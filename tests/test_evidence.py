@@ -20,7 +20,7 @@ from drkernel import integrity, ipc, judge, procfs
 from drkernel.channel import Channel, Hacked
 from drkernel.evaluator import ConfinementError, EvalConfig, Evaluator
 from drkernel.sandbox import SandboxResult
-from tests.test_evaluator import TASKS, cfg
+from tests.test_evaluator import TASKS, cfg, shared_evaluate_many
 
 ATTACKS = Path(__file__).resolve().parent / "fixtures" / "attacks"
 
@@ -299,8 +299,7 @@ def test_a_process_bomb_is_killed_alone_and_its_group_goes_on(spawn):
             time.sleep(0.5)  # the supervisor's turn
         return launch(x)""", extra="import os\nimport time\n")
     ref = str(TASKS / "1_ReLU.py")
-    with Evaluator(cfg()) as ev:
-        results = ev.evaluate_many([(ref, LEGIT_RELU), (ref, bomb), (ref, LEGIT_RELU)])
+    results = shared_evaluate_many([(ref, LEGIT_RELU), (ref, bomb), (ref, LEGIT_RELU)], cfg())
     assert results[0].verdict == results[2].verdict == "correct", [(r.verdict, r.error) for r in results]
     assert results[0].details["overhead_s"]["group"] > 1, "the group's job ended: its candidates were judged again"
     assert results[1].verdict in ("crashed", "hacked"), (results[1].verdict, results[1].error)
@@ -342,8 +341,7 @@ def test_a_process_that_reads_as_a_zombie_but_runs_a_thread_is_found_and_killed(
             time.sleep(0.5)
         return launch(x)""", extra="import os\nimport sys\nimport time\n")
     ref = str(TASKS / "1_ReLU.py")
-    with Evaluator(cfg()) as ev:
-        results = ev.evaluate_many([(ref, leader), (ref, LEGIT_RELU), (ref, LEGIT_RELU + "# another\n")])
+    results = shared_evaluate_many([(ref, leader), (ref, LEGIT_RELU), (ref, LEGIT_RELU + "# another\n")], cfg())
     assert results[0].verdict == "hacked" and "thread_spawned" in results[0].hacks, (results[0].verdict, results[0].error)
     assert [r.verdict for r in results[1:]] == ["correct", "correct"], [(r.verdict, r.error) for r in results]
 
@@ -366,8 +364,7 @@ def test_what_a_candidate_leaves_running_or_unreaped_is_never_blamed_on_the_next
         time.sleep(0.2)
         raise RuntimeError("constructor failed")""")
     ref = str(TASKS / "1_ReLU.py")
-    with Evaluator(cfg()) as ev:
-        results = ev.evaluate_many([(ref, leaver), (ref, LEGIT_RELU), (ref, LEGIT_RELU)])
+    results = shared_evaluate_many([(ref, leaver), (ref, LEGIT_RELU), (ref, LEGIT_RELU)], cfg())
     assert results[0].verdict == "runtime_error", (results[0].verdict, results[0].error)
     assert [r.verdict for r in results[1:]] == ["correct", "correct"], [(r.verdict, r.error) for r in results]
 
@@ -395,8 +392,7 @@ def test_a_candidates_files_are_gone_before_the_next_candidate_runs(tmp_path):
     watcher = threading.Thread(target=watch)
     watcher.start()
     ref = str(TASKS / "1_ReLU.py")
-    with Evaluator(cfg()) as ev:
-        results = ev.evaluate_many([(ref, first), (ref, second), (ref, LEGIT_RELU)])
+    results = shared_evaluate_many([(ref, first), (ref, second), (ref, LEGIT_RELU)], cfg())
     watcher.join()
     assert [r.verdict for r in results] == ["correct"] * 3, [(r.verdict, r.error) for r in results]
     assert seen == [[]], "the first candidate's files were still there during the second one's turn"
