@@ -125,8 +125,10 @@ class Channel:
         """The supervisor's note that it killed processes that had left their runner (over a limit
         of the job), taken so that it is read once; empty when there is none. Only the runner whose
         turn it is runs, so they were its candidate's."""
-        path = kill_note(self.dir, ipc.ESCAPED) if self.dir else ""
-        note = read_output(path, 300) if path else ""
+        if not self.dir:
+            return ""
+        path = kill_note(self.dir, ipc.ESCAPED)
+        note = read_output(path, 300)
         if note:
             with contextlib.suppress(OSError):
                 os.unlink(path)

@@ -118,16 +118,17 @@ def ranges(tensors) -> list[tuple[int, int]]:
     return out
 
 
+def extent(t) -> int:
+    """Bytes from a tensor's first element to the end of its last (0 when it has none)."""
+    if t.numel() == 0:
+        return 0
+    return (sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
 def data_ranges(ts) -> list[tuple[int, int]]:
     """Byte ranges of the tensors' own elements: views into one shared buffer (the runner's
     inputs all live in the judge's arena) overlap only where their elements do."""
-    out = []
-    for t in ts:
-        if t.numel() == 0:
-            continue
-        span = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1
-        out.append((t.data_ptr(), t.data_ptr() + span * t.element_size()))
-    return out
+    return [(t.data_ptr(), t.data_ptr() + extent(t)) for t in ts if t.numel()]
 
 
 def overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:

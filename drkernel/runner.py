@@ -513,9 +513,7 @@ def _describe_objects(objects: dict[str, tuple[Any, tuple[str, ...]]]) -> str:
 def _byte_span(t) -> tuple[int, int]:
     """(first byte, end byte) of what tensor `t` covers in its storage."""
     first = t.storage_offset() * t.element_size()
-    if t.numel() == 0:
-        return first, first
-    return first, first + (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+    return first, first + compare.extent(t)
 
 
 def _forget_harness_modules() -> None:

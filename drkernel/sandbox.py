@@ -391,10 +391,10 @@ class _Tree:
         self.rss_bytes += other.rss_bytes
 
 
-# (limit, the _Tree field it bounds, the reason that ends the whole job, why a tree is killed)
-_LIMITS = (("max_rss_mb", "rss_bytes", "oom", "it used more memory than the job allows"),
-           ("max_procs", "procs", "procs", "it started more processes than the job allows"),
-           ("max_threads", "threads", "threads", "it started more threads than the job allows"))
+# (limit, its unit, the _Tree field it bounds, the reason that ends the whole job, why a tree is killed)
+_LIMITS = (("max_rss_mb", 2**20, "rss_bytes", "oom", "it used more memory than the job allows"),
+           ("max_procs", 1, "procs", "procs", "it started more processes than the job allows"),
+           ("max_threads", 1, "threads", "threads", "it started more threads than the job allows"))
 
 
 def _police(root: int, child: int, runners: list[tuple[str, int]],
@@ -412,8 +412,8 @@ def _police(root: int, child: int, runners: list[tuple[str, int]],
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
                     del table[pid]
     trees = _trees(table, root, known)
-    for limit, field, reason, why in _LIMITS:
-        cap = getattr(lim, limit) * (2**20 if limit == "max_rss_mb" else 1)
+    for limit, unit, field, reason, why in _LIMITS:
+        cap = getattr(lim, limit) * unit
         if sum(getattr(t, field) for t in trees.values()) > cap:
             heaviest = _heaviest(trees, field, child)
             if heaviest is None or getattr(trees.get(child, _Tree()), field) > cap:
@@ -476,11 +476,10 @@ def _kill_tree(tree: _Tree, head: int, runners: list[tuple[str, int]], why: str)
             os.kill(pid, signal.SIGKILL)
 
 
-def _kill_runner(runner_dir: str | None, group: int, why: str) -> None:
-    """SIGKILL a process group, leaving a note for the judge where it is one of the job's runners."""
-    if runner_dir is not None:
-        with contextlib.suppress(OSError), open(kill_note(runner_dir, group), "w") as fh:
-            fh.write(why)
+def _kill_runner(runner_dir: str, group: int, why: str) -> None:
+    """SIGKILL a runner's process group, leaving the judge a note that says why."""
+    with contextlib.suppress(OSError), open(kill_note(runner_dir, group), "w") as fh:
+        fh.write(why)
     with contextlib.suppress(OSError):
         os.killpg(group, signal.SIGKILL)
 
