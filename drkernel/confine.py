@@ -216,9 +216,12 @@ def _drop_capabilities(report: Confinement) -> None:
     report.capabilities_dropped = True
 
 
-def restrict(job_dir: str, report: Confinement, hidden: list[str] | tuple[str, ...] = ()) -> None:
+def restrict(job_dir: str, report: Confinement, hidden: list[str] | tuple[str, ...] = (),
+             fixed_cores: bool = False) -> None:
     """No new privileges, Landlock, no capabilities. Irreversible for this process and its children.
-    Nothing beneath `hidden` can be read, except `job_dir` and the Python path."""
+    Nothing beneath `hidden` can be read, except `job_dir` and the Python path. `fixed_cores`: not
+    even its own CPU cores may change (a process no judge watches, which must stay off the cores
+    kept for timing)."""
     if _libc().unshare(_CLONE_NEWIPC) == 0:
         report.ipc_namespace = True
     else:
@@ -229,7 +232,7 @@ def restrict(job_dir: str, report: Confinement, hidden: list[str] | tuple[str, .
         report.errors.append(_errno_text("PR_SET_NO_NEW_PRIVS"))
     _landlock(os.path.realpath(job_dir), report, list(hidden))
     _drop_capabilities(report)
-    _own_process_only(report)
+    _own_process_only(report, fixed_cores)
 
 
 # (audit arch, seccomp syscall, {syscall: (index of the pid argument, index of a `which`
@@ -240,6 +243,7 @@ _SECCOMP_ARCHES = {
     "aarch64": (0xC00000B7, 277, {261: (0, None, 0), 140: (1, 0, 0), 118: (0, None, 0), 119: (0, None, 0),
                                   122: (0, None, 0), 274: (0, None, 0), 30: (1, 0, 1)}),
 }
+_SETAFFINITY = {"x86_64": 203, "aarch64": 122}  # sched_setaffinity
 _ALLOW, _EPERM = 0x7FFF0000, 0x00050001  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
 _LD, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
 
@@ -252,33 +256,39 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int) -> list[tuple[int, int, int, int]]:
+def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int,
+                         denied: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) (a jump's offsets count from the next instruction): another
-    architecture's calls and x32 ones refused; each guarded call allowed only when its `which`
-    argument (if any) says a process and its pid argument is 0 or `pid`; everything else allowed.
-    Arguments are read by their low 32 bits (offset 16 + 8 i of `struct seccomp_data`)."""
+    architecture's calls and x32 ones refused; `denied` calls refused; each guarded call allowed
+    only when its `which` argument (if any) says a process and its pid argument is 0 or `pid`;
+    everything else allowed. Arguments are read by their low 32 bits (offset 16 + 8 i of
+    `struct seccomp_data`)."""
     head = [(_LD, 0, 0, 4), (_JEQ, 1, 0, arch), (_RET, 0, 0, _EPERM),
             (_LD, 0, 0, 0), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _EPERM)]
+    # first: each denied call jumps past the rest of them, the guarded ones and the final allow,
+    # to the refusal after it
+    refuse = [(_JEQ, len(denied) - k + len(guarded), 0, nr) for k, nr in enumerate(denied)]
     blocks: list[tuple[int, int, int, int]] = []
     dispatch = []
     for j, (nr, (pid_arg, which_arg, which)) in enumerate(guarded.items()):
-        # from this jump (j-th of len(guarded)), past the rest of them and the final allow
-        dispatch.append((_JEQ, len(guarded) - j + len(blocks), 0, nr))
+        # from this jump (j-th of len(guarded)), past the rest of them, the final allow and the refusal
+        dispatch.append((_JEQ, len(guarded) - j + 1 + len(blocks), 0, nr))
         if which_arg is not None:
             blocks += [(_LD, 0, 0, 16 + 8 * which_arg), (_JEQ, 0, 3, which)]
         blocks += [(_LD, 0, 0, 16 + 8 * pid_arg), (_JEQ, 2, 0, 0), (_JEQ, 1, 0, pid),
                    (_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)]
-    return head + dispatch + [(_RET, 0, 0, _ALLOW)] + blocks
+    return head + refuse + dispatch + [(_RET, 0, 0, _ALLOW), (_RET, 0, 0, _EPERM)] + blocks
 
 
-def _own_process_only(report: Confinement) -> None:
+def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:
     import platform
     arch = _SECCOMP_ARCHES.get(platform.machine())
     if arch is None:
         report.errors.append(f"seccomp: no syscall table for {platform.machine()}")
         return
     audit, sys_seccomp, guarded = arch
-    prog = _own_process_program(audit, guarded, os.getpid())
+    denied = (_SETAFFINITY[platform.machine()],) if fixed_cores else ()
+    prog = _own_process_program(audit, guarded, os.getpid(), denied)
     filters = (_SockFilter * len(prog))(*[_SockFilter(c, jt, jf, k) for c, jt, jf, k in prog])
     fprog = _SockFprog(len(prog), filters)
     # SECCOMP_SET_MODE_FILTER (1) with SECCOMP_FILTER_FLAG_TSYNC (1): every thread of the process

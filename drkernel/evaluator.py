@@ -29,7 +29,7 @@ from drkernel.evaltypes import HACK_CODES, VERDICTS, EvalConfig, EvalResult  # n
 from drkernel import confine, evalcache, rewards
 from drkernel.channel import cuda_fault, short
 from drkernel.confine import hidden_dirs
-from drkernel.gpushare import MemoryLedger
+from drkernel.gpushare import MemoryLedger, plan_cores
 from drkernel.sandbox import SandboxLimits, SandboxPool
 from drkernel.tasks import text_digest
 
@@ -297,6 +297,11 @@ def _visible_gpus() -> list[str]:
         return ["0"]
 
 
+def _gpu_number(gpu: str, index: int) -> int:
+    """A `_visible_gpus` entry as the number the judge knows its GPU by (`judge._physical_gpu`)."""
+    return int(gpu) if gpu.isdigit() else index
+
+
 def _gpu_memory_gib() -> float:
     try:
         q = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
@@ -461,11 +466,13 @@ class Evaluator:
         self.shared_gpu = bool(gpus) and per_gpu > 1
         n = per_gpu * max(1, len(gpus)) if workers is None else workers
         per_env = [{"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} for i in range(n)] if len(gpus) > 1 else None
-        self.pool = SandboxPool(n, env, per_env, preload=_PRELOAD)
+        self.cores = plan_cores([_gpu_number(g, i) for i, g in enumerate(gpus)], os.sched_getaffinity(0))
+        self.pool = SandboxPool(n, env, per_env, preload=_PRELOAD, cores=self.cores.work)
         # taken while the fork servers start (it imports torch here): the two overlap
         self.environment = evalcache.fingerprint(self.cfg.device)
         if self.cfg.require_confinement:
             self._check_confinement()
+        self._ends_importer: dict[str, bool] = {}  # reference digest -> `_reference_ends_its_importer`
         self.cache = None
         if self.cfg.cache_dir:
             self.cache = evalcache.EvalCache(self.cfg.cache_dir)
@@ -552,6 +559,15 @@ class Evaluator:
         prep.preflight_s = pre.wall_s
         return early
 
+    def _reference_ends_its_importer(self, prep: "_Prepared") -> bool:
+        """Whether importing the reference alone ends the process (the judge imports it, so its
+        job would end without an answer, blamed on the candidates). Asked once per reference."""
+        if prep.ref_digest not in self._ends_importer:
+            pre = self.pool.run(_PREFLIGHT, {"candidate_path": prep.ref_path, "hidden": hidden_dirs()},
+                                limits=_limits(self.cfg), env={"CUDA_VISIBLE_DEVICES": ""})
+            self._ends_importer[prep.ref_digest] = pre.status in ("exit_no_result", "signal")
+        return self._ends_importer[prep.ref_digest]
+
     def _evaluate_group(self, preps: list["_Prepared"], exclusive: bool = False, defer: bool = False) -> list[_Run]:
         """Each candidate's pre-flight import (no GPU), then one judge's job for those it did not
         decide (`defer`: given back at once, with `details.deferred`, when its GPU memory does not fit)."""
@@ -567,9 +583,13 @@ class Evaluator:
         candidate is given an ending another one caused."""
         start = time.monotonic()
         kwargs = {"reference_path": todo[0].ref_path, "candidate_paths": [p.cand_path for p in todo],
-                  "config": dataclasses.asdict(self.cfg), "exclusive": exclusive, "defer": defer}
+                  "config": dataclasses.asdict(self.cfg), "exclusive": exclusive, "defer": defer,
+                  "timing_cores": sorted(self.cores.timing.items())}
         res = self.pool.run(_JUDGE, kwargs, runners=[_RUNNER] * (1 + len(todo)),
                             limits=_limits(self.cfg, jobs=1 + len(todo)))
+        if res.status in ("exit_no_result", "signal") and self._reference_ends_its_importer(todo[0]):
+            err = "the reference ends the process that imports it (os._exit or a signal at import)"
+            return [_Run(EvalResult(verdict="reference_error", error=err), start, time.monotonic()) for _ in todo]
         if res.status not in ("ok", "sandbox_error") and len(todo) > 1:  # not the sandbox's own failure
             return [run for p in todo for run in self._judge([p], exclusive, defer)]
         runs = []

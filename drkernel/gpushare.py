@@ -1,4 +1,5 @@
-"""One GPU shared by several evaluations: its readers-writer lock and its memory ledger.
+"""One GPU shared by several evaluations: its readers-writer lock, its memory ledger and its
+timing core.
 
 Judges of different jobs on one GPU coordinate through two kinds of files in `lock_dir()`:
 
@@ -6,12 +7,18 @@ Judges of different jobs on one GPU coordinate through two kinds of files in `lo
   verdict, alone for measurements;
 * ``MemoryLedger`` -- GPU memory promised to the jobs on one GPU; a job waits until its share fits.
 
+and one plan made by the evaluator before any sandbox starts:
+
+* ``CorePlan`` -- the CPU core each GPU's timed processes run on while measured, kept free of
+  every other sandbox process (a launch-bound forward runs at its host thread's speed).
+
 Runners cannot read `lock_dir()` (`confine.restrict` hides it), so no candidate can take a lock.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import os
 import time
@@ -178,3 +185,53 @@ def device_lock(index: int | str, timeout_s: float | None = None) -> Iterator[st
             yield lock.path
     finally:
         lock.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class CorePlan:
+    """Where the sandboxes' processes run. `timing[gpu]` is the core that GPU's timed processes
+    (reference twin and candidate runner, one job at a time: the GPU is held alone) move to while
+    measured; `work` is every other core, where all sandbox processes run otherwise. `work` is
+    None when too few cores would be left to reserve any: then the timed processes are still
+    pinned together, but share their core."""
+    timing: dict[int, int]
+    work: frozenset[int] | None
+
+
+def _cpu_list(text: str) -> set[int]:
+    """The cores of a sysfs CPU list such as "3,11" or "0-3,8"."""
+    cores: set[int] = set()
+    for part in filter(None, text.strip().split(",")):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores
+
+
+def cpu_siblings(core: int) -> set[int]:
+    """`core` and the hardware threads of the same physical core (SMT), as sysfs lists them: a
+    busy sibling slows a timed thread as much as a process on the core itself."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list") as fh:
+            return {core} | _cpu_list(fh.read())
+    except (OSError, ValueError):
+        return {core}
+
+
+# fewer free cores than this for everything else, and no core is reserved
+MIN_WORK_CORES = 4
+
+
+def plan_cores(gpus: list[int], cores: set[int], siblings=cpu_siblings) -> CorePlan:
+    """One timing core per GPU, the highest-numbered first, each on a physical core of its own;
+    the rest (their SMT siblings left out) for all other sandbox work."""
+    ordered = sorted(cores, reverse=True)
+    if len(ordered) < 2 or not gpus:
+        return CorePlan({}, None)
+    timing: dict[int, int] = {}
+    reserved: set[int] = set()
+    for gpu in gpus:
+        core = next((c for c in ordered if c not in reserved), ordered[len(timing) % len(ordered)])
+        timing[gpu] = core
+        reserved |= siblings(core) & set(ordered)
+    work = set(ordered) - reserved
+    return CorePlan(timing, frozenset(work) if len(work) >= MIN_WORK_CORES else None)

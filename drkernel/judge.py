@@ -120,6 +120,7 @@ class Reference:
     clock: float = 0.0
     gpu: Any = None  # gpushare.DeviceLock of this GPU
     memory: Any = None  # gpushare.MemoryLedger of this GPU, holding this job's estimate
+    timing_cores: dict[int, int] = dataclasses.field(default_factory=dict)  # GPU -> its timing core (`gpushare.CorePlan`)
     core: int | None = None  # the CPU core both timed processes run on while measured
     exclusive: bool = False  # hold the GPU alone for the whole job (a retry after out-of-memory)
     defer: bool = False  # give the job back at once when its GPU memory does not fit (the caller requeues it)
@@ -950,12 +951,12 @@ def _physical_gpu(r: Reference) -> int:
 
 def _lock_gpu(r: Reference) -> None:
     """This job's lock on its physical GPU (held alone for the whole job on a retry), and the core
-    its timed processes use (one per GPU: one job measures on a GPU at a time)."""
+    its timed processes use (one per GPU, kept free of the other sandbox processes by the
+    evaluator's `CorePlan`: one job measures on a GPU at a time)."""
     from drkernel.gpushare import DeviceLock
     gpu = _physical_gpu(r)
     r.gpu = DeviceLock(gpu)
-    cores = sorted(_affinity(0) or ())
-    r.core = cores[-1 - gpu % len(cores)] if len(cores) > 1 else None
+    r.core = r.details["timing_core"] = r.timing_cores.get(gpu)
     if r.exclusive:
         r.gpu.acquire(alone=True)
         _wait_idle(r)
@@ -1449,16 +1450,18 @@ def _channels(runner_fds: list[int], runner_pids: list[int], runner_dirs: list[s
 
 
 def evaluate(reference_path: str, candidate_paths: list[str], config: dict, runner_fds: list[int],
-             runner_pids: list[int], runner_dirs: list[str], exclusive: bool = False, defer: bool = False) -> dict:
+             runner_pids: list[int], runner_dirs: list[str], exclusive: bool = False, defer: bool = False,
+             timing_cores: list[tuple[int, int]] = ()) -> dict:
     """The judge's sandbox target: the group's phases, then every candidate's in turn; returns
     `{"results": [EvalResult fields, ...]}` in the order of `candidate_paths`. The first runner is
     the reference twin, the others the candidates'. `exclusive` holds the GPU alone for the whole
     job (a retry of a job that ran out of memory next to others); `defer` ends the job at once,
-    with `details.deferred`, when its GPU memory does not fit yet."""
+    with `details.deferred`, when its GPU memory does not fit yet; `timing_cores` pairs each GPU
+    with the core its timed processes run on (`gpushare.CorePlan.timing`)."""
     t0 = _perf()
     twin, *runners = _channels(runner_fds, runner_pids, runner_dirs)
     r = Reference(cfg=config_from_dict(config), reference_path=reference_path, twin=twin, clock=t0,
-                  exclusive=exclusive, defer=defer)
+                  exclusive=exclusive, defer=defer, timing_cores={int(g): int(c) for g, c in timing_cores})
     twin.deadline = time.monotonic() + float(r.cfg.timeout)
     for channel, path in ((twin, reference_path), *zip(runners, candidate_paths)):
         shutil.copyfile(reference_path, os.path.join(channel.dir, "reference.py"))

@@ -649,7 +649,7 @@ def preflight(candidate_path: str, hidden: list[str]) -> dict:
     report = confine.Confinement()
     confine.enter_network_namespace(report)
     confine.point_caches_at(job_dir)
-    confine.restrict(job_dir, report, hidden=hidden)
+    confine.restrict(job_dir, report, hidden=hidden, fixed_cores=True)
     if not report.complete:
         return {"skipped": "could not be confined"}
     try:

@@ -648,6 +648,9 @@ def _zygote_main() -> None:
     for extra in filter(None, os.environ.pop("DRKERNEL_SANDBOX_SYSPATH", "").split(os.pathsep)):
         if extra not in sys.path:
             sys.path.append(extra)
+    if cores := os.environ.pop("DRKERNEL_SANDBOX_CORES", ""):  # before any thread: all inherit it
+        with contextlib.suppress(OSError, ValueError):
+            os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     errors = {}
     for name in filter(None, os.environ.pop("DRKERNEL_SANDBOX_PRELOAD", "").split(",")):
         try:
@@ -702,12 +705,14 @@ class ForkServer:
     the place for TRITON_INTERPRET and CUDA_VISIBLE_DEVICES. The zygote can import what
     the parent can (the parent's sys.path is appended to its own, and the project root is
     on PYTHONPATH); ``PYTHONPATH`` in ``env`` (or a job's env) adds more directories.
+    ``cores``: the CPU cores the zygote and every process of its jobs run on (None: any).
     """
 
     def __init__(self, env: dict | None = None, preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD,
-                 start_timeout_s: float = 600.0, grace_s: float = 60.0):
+                 start_timeout_s: float = 600.0, grace_s: float = 60.0, cores: frozenset[int] | None = None):
         self.env = {str(k): str(v) for k, v in (env or {}).items()}
         self.preload = tuple(preload)
+        self.cores = cores
         self.start_timeout_s = start_timeout_s
         self.grace_s = grace_s  # how long past a job's timeout before the zygote is declared hung
         self.restarts = -1
@@ -730,6 +735,8 @@ class ForkServer:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (self.env.get("PYTHONPATH"), _PROJECT_ROOT,
                                                         os.environ.get("PYTHONPATH")) if p)
         env["DRKERNEL_SANDBOX_PRELOAD"] = ",".join(self.preload)
+        if self.cores:
+            env["DRKERNEL_SANDBOX_CORES"] = ",".join(map(str, sorted(self.cores)))
         env["DRKERNEL_SANDBOX_SYSPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         self._log = tempfile.TemporaryFile(prefix="drk_zygote_")
         self._proc = subprocess.Popen([sys.executable, "-m", "drkernel.sandbox", "--zygote"],
@@ -893,10 +900,10 @@ class _NotStarted(Exception):
 class SandboxPool:
     """Several ForkServers; ``run`` (safe to call from several threads) takes any free one.
     ``per_worker_env[i]`` is merged into worker i's env (e.g. to pin
-    CUDA_VISIBLE_DEVICES per worker)."""
+    CUDA_VISIBLE_DEVICES per worker); ``cores`` are the CPU cores every worker runs on."""
 
     def __init__(self, workers: int = 1, env: dict | None = None, per_worker_env: list[dict] | None = None,
-                 preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD):
+                 preload: tuple[str, ...] | list[str] = DEFAULT_PRELOAD, cores: frozenset[int] | None = None):
         self.workers = max(1, int(workers))
         self.closed = False
         self.servers: list[ForkServer] = []
@@ -905,7 +912,7 @@ class SandboxPool:
             wenv = dict(env or {})
             if per_worker_env:
                 wenv.update(per_worker_env[i % len(per_worker_env)] or {})
-            server = ForkServer(env=wenv, preload=preload)
+            server = ForkServer(env=wenv, preload=preload, cores=cores)
             self.servers.append(server)
             self._free.put(server)
 

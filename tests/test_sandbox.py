@@ -202,6 +202,33 @@ def test_pool_runs_jobs_side_by_side_on_per_worker_envs():
     assert envs == ["0", "1"] and seen <= {"0", "1"}
 
 
+def test_a_pool_given_cores_runs_every_job_on_them():
+    """The cores the evaluator keeps for timing (`gpushare.CorePlan.work` leaves them out) are out
+    of every job's reach unless the judge moves a process there: the zygote takes its cores
+    before it starts a thread, and jobs and their threads inherit them."""
+    with SandboxPool(1, env=ENV, preload=(), cores=frozenset({0})) as pool:
+        got = pool.run(T + "affinity").value
+    assert got == {"process": [0], "thread": [0]}, got
+    with SandboxPool(1, env=ENV, preload=()) as pool:  # no plan: every core
+        assert pool.run(T + "affinity").value["process"] == sorted(os.sched_getaffinity(0))
+
+
+def test_core_plan_keeps_one_physical_core_per_gpu_for_timing():
+    from drkernel.gpushare import CorePlan, plan_cores
+
+    def smt(core):  # two hardware threads per physical core: c and c + 8
+        return {core % 8, core % 8 + 8}
+    sixteen = set(range(16))
+    assert plan_cores([0], sixteen, smt) == CorePlan({0: 15}, frozenset(sixteen - {7, 15}))
+    assert plan_cores([0, 1], sixteen, smt) == CorePlan({0: 15, 1: 14}, frozenset(sixteen - {6, 7, 14, 15}))
+    adjacent = plan_cores([0, 1], sixteen, lambda c: {c - c % 2, c - c % 2 + 1})  # siblings 14/15
+    assert adjacent == CorePlan({0: 15, 1: 13}, frozenset(sixteen - {12, 13, 14, 15}))
+    few = plan_cores([0], {0, 1, 2, 3}, smt)  # three left: too few to keep one apart
+    assert few.timing == {0: 3} and few.work is None
+    assert plan_cores([], sixteen, smt) == CorePlan({}, None)
+    assert plan_cores([0], {5}, smt) == CorePlan({}, None)
+
+
 def test_device_lock_excludes(tmp_path, monkeypatch):
     import fcntl
 

@@ -5,6 +5,7 @@ working afterwards."""
 
 import os
 import socket
+import subprocess
 import textwrap
 import time
 
@@ -265,26 +266,35 @@ def test_result_fields_survive_json():
     assert EvalResult.from_dict(r.to_dict()) == r
 
 
-def _confined_scheduling_changes(parent: int) -> list[bool]:
+def _confined_scheduling_changes(parent: int, fixed_cores: bool = False) -> list[bool]:
     """Under the seccomp layer: [installed, then whether each change of `parent`'s limits, priority,
-    affinity and of its own priority and limits succeeds]."""
+    affinity and of its own priority, limits and affinity succeeds]."""
     import resource
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
     report = confine.Confinement()
-    confine._own_process_only(report)
+    confine._own_process_only(report, fixed_cores)
     return [report.own_process_only,
             _succeeds(lambda: resource.prlimit(parent, resource.RLIMIT_NOFILE, nofile)),
             _succeeds(lambda: os.setpriority(os.PRIO_PROCESS, parent, 0)),
             _succeeds(lambda: os.sched_setaffinity(parent, os.sched_getaffinity(parent))),
             _succeeds(lambda: os.setpriority(os.PRIO_PROCESS, 0, 1)),
-            _succeeds(lambda: resource.prlimit(0, resource.RLIMIT_NOFILE, nofile))]
+            _succeeds(lambda: resource.prlimit(0, resource.RLIMIT_NOFILE, nofile)),
+            _succeeds(lambda: os.sched_setaffinity(0, os.sched_getaffinity(0)))]
 
 
 def test_a_confined_process_cannot_change_another_process():
     """The seccomp layer: resource limits, priority and scheduling of another process (the judge,
     the reference's timing process, the other runners) cannot be changed; its own still can."""
     got = _in_a_child(_confined_scheduling_changes, os.getpid())
-    assert got == "[True, False, False, False, True, True]", got
+    assert got == "[True, False, False, False, True, True, True]", got
+
+
+def test_a_preflight_import_cannot_move_itself_onto_the_timing_core():
+    """`fixed_cores` (the pre-flight import, which no judge watches): its own CPU cores cannot
+    change either, so it cannot spin on the core kept for another job's timing; everything else as
+    for a runner."""
+    got = _in_a_child(_confined_scheduling_changes, os.getpid(), True)
+    assert got == "[True, False, False, False, True, True, False]", got
 
 
 def test_a_candidate_reads_neither_the_callers_secrets_nor_the_hosts(monkeypatch):
@@ -297,6 +307,9 @@ def test_a_candidate_reads_neither_the_callers_secrets_nor_the_hosts(monkeypatch
     home_file = os.path.join(os.path.realpath(os.path.expanduser("~")), f".drk_test_secret_{token}")
     with open(home_file, "w") as fh:
         fh.write(token)
+    # /proc/<pid>/environ shows the environment a process started with: another process of this
+    # user, started with the token, stands for the trainer
+    host = subprocess.Popen(["sleep", "60"], env={**os.environ, "DRK_TEST_API_TOKEN": token})
     probe = f"""
     def _read(path):
         try:
@@ -308,6 +321,8 @@ def test_a_candidate_reads_neither_the_callers_secrets_nor_the_hosts(monkeypatch
     print("PROC", _read("/proc/self/environ"))
     print("HOME", _read({home_file!r}))
     print("SHADOW", _read("/etc/shadow")[:40])
+    print("LEAKS", [p for p in os.listdir("/proc") if p.isdigit() and {token!r} in _read(f"/proc/{{p}}/environ")])
+    print("HOST", _read("/proc/{host.pid}/environ"))
     """
     cand = relu_candidate("return launch(x)", extra="import os\n" + textwrap.dedent(probe))
     try:
@@ -315,7 +330,10 @@ def test_a_candidate_reads_neither_the_callers_secrets_nor_the_hosts(monkeypatch
             r = ev.evaluate(str(TASKS / "1_ReLU.py"), cand)
     finally:
         os.unlink(home_file)
+        host.kill()
+        host.wait()
     assert r.verdict == "correct", (r.verdict, r.error)
+    assert "HOST denied" in r.stdout and "LEAKS []" in r.stdout, r.stdout
     assert "ENV" in r.stdout and "PATH" in r.stdout and token not in r.stdout, r.stdout
     assert "HOME denied" in r.stdout, r.stdout
     if os.path.exists("/etc/shadow"):
