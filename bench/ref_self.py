@@ -44,10 +44,17 @@ def run(tasks: list, cfg: EvalConfig, workers: int | None) -> tuple[list, float]
     return results, time.perf_counter() - t0
 
 
+# what says why a launch-bound reference's own time moved: alone vs interleaved, the core it was
+# timed on (None: not pinned), the waits for an idle GPU and for the lock, the clock's overhead
+DIAGNOSTICS = ("ref_ms_isolated", "timing_core", "idle_wait_s", "lock_wait_s", "clock_overhead_ms",
+               "reference_clock_extra_per_ms")
+
+
 def rows_of(tasks: list, results: list) -> list[dict]:
     return [{"problem": t.key, "name": t.name, "verdict": r.verdict, "speedup": r.speedup,
              "interval": r.speedup_interval, "precise": r.speedup_precise, "ref_ms": r.ref_ms,
-             "timed_calls": r.details.get("timed_calls"), "error": (r.error or "")[:200]}
+             "timed_calls": r.details.get("timed_calls"), "error": (r.error or "")[:200],
+             "diagnostics": {k: r.details.get(k) for k in DIAGNOSTICS}}
             for t, r in zip(tasks, results)]
 
 
@@ -67,7 +74,8 @@ def print_table(title: str, rows: list[dict], s: dict, wall: float) -> None:
         flag = "" if sp is not None and BAND[0] <= sp <= BAND[1] else "  <-- outside"
         print(f"{r['problem']:>7} {r['name'][:44]:44s} {r['verdict']:>12s} {sp or 0:7.3f} "
               f"[{iv[0] or 0:.3f}, {iv[1] or 0:.3f}] {'precise' if r['precise'] else 'ROUGH':>7s} "
-              f"ref {r['ref_ms'] or 0:8.3f} ms{flag}")
+              f"ref {r['ref_ms'] or 0:8.3f} ms alone {r['diagnostics']['ref_ms_isolated'] or 0:8.3f} ms "
+              f"core {r['diagnostics']['timing_core']}{flag}")
     med = s["median"]
     print(f"median {med:.4f}, {s['in_band']}/{s['timed']} in {list(BAND)}, worst {s['worst']}; "
           f"not correct: {len(s['not_correct'])}" if med else "no speedups", flush=True)

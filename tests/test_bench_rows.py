@@ -1,6 +1,6 @@
 """The row and table helpers of the GPU bench scripts, on made-up results (no GPU, no evaluation):
-bench/neighbours.py's verdict on one honest kernel, bench/evaluator.py's row per case and
-bench/ablation.py's printed table."""
+bench/neighbours.py's verdict on one honest kernel, bench/evaluator.py's row per case,
+bench/ref_self.py's rows and bench/ablation.py's printed table."""
 
 import sys
 from pathlib import Path
@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import ablation, neighbours  # noqa: E402
+from bench import ablation, neighbours, ref_self  # noqa: E402
 from bench import evaluator as evaluator_bench  # noqa: E402
 from drkernel.evaluator import EvalResult  # noqa: E402
 
@@ -39,6 +39,19 @@ def test_evaluator_row_says_what_the_speedups_were_measured_against_and_how_prec
     row = evaluator_bench._row("case", runs)
     assert row["baseline"] == "compile" and row["precise"] == [True, False]
     assert row["spread"] == pytest.approx(0.1) and row["median_wall_s"] == 3.0
+
+
+def test_ref_self_rows_keep_why_a_reference_time_moved(capsys):
+    from types import SimpleNamespace
+    task = SimpleNamespace(key="3_20", name="20_MobileNetV2.py")
+    timed = result(speedup=0.9, ref_ms=6.0, speedup_interval=[0.7, 1.2], speedup_precise=False,
+                   details={"ref_ms_isolated": 3.2, "timing_core": 15, "idle_wait_s": 0.01, "timed_calls": 100})
+    rows = ref_self.rows_of([task, task], [timed, result("crashed", error="killed")])
+    assert rows[0]["diagnostics"]["ref_ms_isolated"] == 3.2 and rows[0]["diagnostics"]["timing_core"] == 15
+    assert rows[1]["diagnostics"]["timing_core"] is None and rows[1]["verdict"] == "crashed"
+    ref_self.print_table("t", rows, ref_self.summary(rows), 1.0)
+    line = capsys.readouterr().out.splitlines()[2]
+    assert "ref    6.000 ms alone    3.200 ms core 15  <-- outside" in line, line
 
 
 def test_ablation_prints_its_headline_numbers_as_a_table(capsys):
