@@ -289,6 +289,43 @@ def test_a_confined_process_cannot_change_another_process():
     assert got == "[True, False, False, False, True, True, True]", got
 
 
+def _bpf_verdict(prog: list, nr: int, args: list[int], arch: int) -> str:
+    """What a classic-BPF seccomp program returns for one call (`struct seccomp_data` by offset)."""
+    data = {0: nr, 4: arch, **{16 + 8 * i: a for i, a in enumerate(args)}}
+    pc, acc = 0, 0
+    while True:
+        code, jt, jf, k = prog[pc]
+        assert max(jt, jf) < 256  # 8-bit jump offsets
+        if code == confine._RET:
+            return "allow" if k == confine._ALLOW else "refused"
+        if code == confine._LD:
+            acc, pc = data.get(k, 0), pc + 1
+        else:
+            pc += 1 + (jt if (acc == k if code == confine._JEQ else acc >= k) else jf)
+
+
+@pytest.mark.parametrize("machine", sorted(confine._SECCOMP_ARCHES))
+@pytest.mark.parametrize("fixed_cores", [False, True])
+def test_the_seccomp_program_of_every_architecture(machine, fixed_cores):
+    """The filter's jumps, read instruction by instruction for each architecture it is built for
+    (only this machine's runs in the tests above): a guarded call names the process itself (0 or
+    its pid) or is refused, and with `fixed_cores` setting the CPU set is refused outright."""
+    audit, _, guarded = confine._SECCOMP_ARCHES[machine]
+    denied = (confine._SETAFFINITY[machine],) if fixed_cores else ()
+    prog = confine._own_process_program(audit, guarded, 4242, denied)
+    assert _bpf_verdict(prog, 1, [], audit + 1) == "refused"  # another architecture
+    assert _bpf_verdict(prog, 0x40000001, [], audit) == "refused"  # x32
+    assert _bpf_verdict(prog, 1, [], audit) == "allow"
+    for nr, (pid_arg, which_arg, which) in guarded.items():
+        for pid, allowed in ((0, True), (4242, True), (77, False)):
+            args = [0] * 6
+            args[pid_arg] = pid
+            if which_arg is not None:
+                args[which_arg] = which
+            want = "allow" if allowed and nr not in denied else "refused"
+            assert _bpf_verdict(prog, nr, args, audit) == want, (nr, pid)
+
+
 def test_a_preflight_import_cannot_move_itself_onto_the_timing_core():
     """`fixed_cores` (the pre-flight import, which no judge watches): its own CPU cores cannot
     change either, so it cannot spin on the core kept for another job's timing; everything else as
