@@ -297,9 +297,17 @@ def _visible_gpus() -> list[str]:
         return ["0"]
 
 
-def _gpu_number(gpu: str, index: int) -> int:
-    """A `_visible_gpus` entry as the number the judge knows its GPU by (`judge._physical_gpu`)."""
-    return int(gpu) if gpu.isdigit() else index
+def _host_gpu_numbers(visible: list[str]) -> list[int]:
+    """Every GPU of the host by the number a judge knows it by (`judge._physical_gpu`: the
+    `CUDA_VISIBLE_DEVICES` entry, or 0 for one named by UUID), so that evaluators in several
+    processes (one per rank or per GPU) plan the same timing core for each GPU and keep all of
+    them free. `nvidia-smi -L` lists the host's GPUs whatever `CUDA_VISIBLE_DEVICES` says."""
+    try:
+        q = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+        host = sum(line.startswith("GPU") for line in q.stdout.splitlines())
+    except (OSError, subprocess.SubprocessError):
+        host = 0
+    return sorted({0, *range(host), *(int(g) for g in visible if g.isdigit())})
 
 
 def _gpu_memory_gib() -> float:
@@ -466,7 +474,7 @@ class Evaluator:
         self.shared_gpu = bool(gpus) and per_gpu > 1
         n = per_gpu * max(1, len(gpus)) if workers is None else workers
         per_env = [{"CUDA_VISIBLE_DEVICES": gpus[i % len(gpus)]} for i in range(n)] if len(gpus) > 1 else None
-        self.cores = plan_cores([_gpu_number(g, i) for i, g in enumerate(gpus)], os.sched_getaffinity(0))
+        self.cores = plan_cores(_host_gpu_numbers(gpus) if gpus else [], os.sched_getaffinity(0))
         self.pool = SandboxPool(n, env, per_env, preload=_PRELOAD, cores=self.cores.work)
         # taken while the fork servers start (it imports torch here): the two overlap
         self.environment = evalcache.fingerprint(self.cfg.device)

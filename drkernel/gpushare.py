@@ -222,14 +222,15 @@ MIN_WORK_CORES = 4
 
 
 def plan_cores(gpus: list[int], cores: set[int], siblings=cpu_siblings) -> CorePlan:
-    """One timing core per GPU, the highest-numbered first, each on a physical core of its own;
-    the rest (their SMT siblings left out) for all other sandbox work."""
+    """One timing core per GPU (GPU 0 the highest-numbered core, GPU 1 the next, ...), each on a
+    physical core of its own; the rest (their SMT siblings left out) for all other sandbox work.
+    The same GPUs and cores give the same plan in every process."""
     ordered = sorted(cores, reverse=True)
     if len(ordered) < 2 or not gpus:
         return CorePlan({}, None)
     timing: dict[int, int] = {}
     reserved: set[int] = set()
-    for gpu in gpus:
+    for gpu in sorted(set(gpus)):
         core = next((c for c in ordered if c not in reserved), ordered[len(timing) % len(ordered)])
         timing[gpu] = core
         reserved |= siblings(core) & set(ordered)

@@ -308,7 +308,8 @@ class Runner:
         self.structure = msg["structure"]
         importlib.import_module("torch._dynamo")  # rebinds torch.manual_seed: before the snapshot
         importlib.import_module("torch.profiler")
-        confine.restrict(self.job_dir, self.report, hidden=msg.get("hidden") or [])
+        # its CPU set is the judge's to move (onto the timing core while measured), not its own
+        confine.restrict(self.job_dir, self.report, hidden=msg.get("hidden") or [], fixed_cores=True)
         self.watched = {**self.recorder.install(), **_evidence_machinery()}
         if self.device.type == "cuda":
             self.recorder.expected_stream = torch.cuda.current_stream(self.device)

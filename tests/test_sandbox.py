@@ -206,9 +206,10 @@ def test_a_pool_given_cores_runs_every_job_on_them():
     """The cores the evaluator keeps for timing (`gpushare.CorePlan.work` leaves them out) are out
     of every job's reach unless the judge moves a process there: the zygote takes its cores
     before it starts a thread, and jobs and their threads inherit them."""
-    with SandboxPool(1, env=ENV, preload=(), cores=frozenset({0})) as pool:
+    core = min(os.sched_getaffinity(0))
+    with SandboxPool(1, env=ENV, preload=(), cores=frozenset({core})) as pool:
         got = pool.run(T + "affinity").value
-    assert got == {"process": [0], "thread": [0]}, got
+    assert got == {"process": [core], "thread": [core]}, got
     with SandboxPool(1, env=ENV, preload=()) as pool:  # no plan: every core
         assert pool.run(T + "affinity").value["process"] == sorted(os.sched_getaffinity(0))
 
@@ -221,12 +222,31 @@ def test_core_plan_keeps_one_physical_core_per_gpu_for_timing():
     sixteen = set(range(16))
     assert plan_cores([0], sixteen, smt) == CorePlan({0: 15}, frozenset(sixteen - {7, 15}))
     assert plan_cores([0, 1], sixteen, smt) == CorePlan({0: 15, 1: 14}, frozenset(sixteen - {6, 7, 14, 15}))
+    assert plan_cores([1, 0, 1], sixteen, smt) == plan_cores([0, 1], sixteen, smt)  # by GPU number, in any process
     adjacent = plan_cores([0, 1], sixteen, lambda c: {c - c % 2, c - c % 2 + 1})  # siblings 14/15
     assert adjacent == CorePlan({0: 15, 1: 13}, frozenset(sixteen - {12, 13, 14, 15}))
     few = plan_cores([0], {0, 1, 2, 3}, smt)  # three left: too few to keep one apart
     assert few.timing == {0: 3} and few.work is None
     assert plan_cores([], sixteen, smt) == CorePlan({}, None)
     assert plan_cores([0], {5}, smt) == CorePlan({}, None)
+
+
+def test_every_gpu_of_the_host_gets_its_timing_core_whatever_this_process_sees(monkeypatch):
+    """An evaluator that sees only GPU 3 (one per rank) still plans, and keeps free, the cores of
+    all the host's GPUs, numbered as the judges know them."""
+    import subprocess
+    from types import SimpleNamespace
+
+    from drkernel import evaluator
+    listing = "GPU 0: H100 (UUID: a)\nGPU 1: H100 (UUID: b)\nGPU 2: H100\nGPU 3: H100\n"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=listing))
+    assert evaluator._host_gpu_numbers(["3"]) == [0, 1, 2, 3]
+    assert evaluator._host_gpu_numbers(["GPU-uuid"]) == [0, 1, 2, 3]
+
+    def no_nvidia_smi(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+    monkeypatch.setattr(subprocess, "run", no_nvidia_smi)
+    assert evaluator._host_gpu_numbers(["2", "5"]) == [0, 2, 5]
 
 
 def test_device_lock_excludes(tmp_path, monkeypatch):
