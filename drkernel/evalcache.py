@@ -83,6 +83,13 @@ def _nvidia_smi() -> tuple[tuple[str, str], ...] | None:
     return tuple((name, driver) for name, driver in rows)
 
 
+def host_gpu_count() -> int | None:
+    """How many GPUs this host has, whatever `CUDA_VISIBLE_DEVICES` says (nvidia-smi lists them
+    all); None when nvidia-smi is absent or fails."""
+    rows = _nvidia_smi()
+    return None if rows is None else len(rows)
+
+
 def _package_version(name: str) -> str:
     try:
         return importlib.metadata.version(name)

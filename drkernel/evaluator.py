@@ -290,24 +290,16 @@ def _visible_gpus() -> list[str]:
     vis = os.environ.get("CUDA_VISIBLE_DEVICES")
     if vis is not None:
         return [v.strip() for v in vis.split(",") if v.strip()]
-    try:
-        q = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-        return [str(i) for i, line in enumerate(q.stdout.splitlines()) if line.startswith("GPU")]
-    except (OSError, subprocess.SubprocessError):
-        return ["0"]
+    host = evalcache.host_gpu_count()
+    return ["0"] if host is None else [str(i) for i in range(host)]
 
 
 def _host_gpu_numbers(visible: list[str]) -> list[int]:
     """Every GPU of the host by the number a judge knows it by (`judge._physical_gpu`: the
     `CUDA_VISIBLE_DEVICES` entry, or 0 for one named by UUID), so that evaluators in several
     processes (one per rank or per GPU) plan the same timing core for each GPU and keep all of
-    them free. `nvidia-smi -L` lists the host's GPUs whatever `CUDA_VISIBLE_DEVICES` says."""
-    try:
-        q = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
-        host = sum(line.startswith("GPU") for line in q.stdout.splitlines())
-    except (OSError, subprocess.SubprocessError):
-        host = 0
-    return sorted({0, *range(host), *(int(g) for g in visible if g.isdigit())})
+    them free."""
+    return sorted({0, *range(evalcache.host_gpu_count() or 0), *(int(g) for g in visible if g.isdigit())})
 
 
 def _gpu_memory_gib() -> float:
@@ -557,10 +549,14 @@ class Evaluator:
             for k, run in zip(job.index, done):
                 runs[k] = run
 
+    def _import_alone(self, path: str) -> Any:
+        """The sandbox's result of importing `path` in a confined process that sees no GPU."""
+        return self.pool.run(_PREFLIGHT, {"candidate_path": path, "hidden": hidden_dirs()},
+                             limits=_limits(self.cfg), env={"CUDA_VISIBLE_DEVICES": ""})
+
     def _preflight(self, prep: "_Prepared") -> EvalResult | None:
         """The GPU-less pre-flight import; its verdict when it already decides."""
-        pre = self.pool.run(_PREFLIGHT, {"candidate_path": prep.cand_path, "hidden": hidden_dirs()},
-                            limits=_limits(self.cfg), env={"CUDA_VISIBLE_DEVICES": ""})
+        pre = self._import_alone(prep.cand_path)
         early = _preflight_verdict(pre)
         if early is not None:
             early.wall_s = pre.wall_s
@@ -571,8 +567,7 @@ class Evaluator:
         """Whether importing the reference alone ends the process (the judge imports it, so its
         job would end without an answer, blamed on the candidates). Asked once per reference."""
         if prep.ref_digest not in self._ends_importer:
-            pre = self.pool.run(_PREFLIGHT, {"candidate_path": prep.ref_path, "hidden": hidden_dirs()},
-                                limits=_limits(self.cfg), env={"CUDA_VISIBLE_DEVICES": ""})
+            pre = self._import_alone(prep.ref_path)
             self._ends_importer[prep.ref_digest] = pre.status in ("exit_no_result", "signal")
         return self._ends_importer[prep.ref_digest]
 

@@ -234,18 +234,11 @@ def test_core_plan_keeps_one_physical_core_per_gpu_for_timing():
 def test_every_gpu_of_the_host_gets_its_timing_core_whatever_this_process_sees(monkeypatch):
     """An evaluator that sees only GPU 3 (one per rank) still plans, and keeps free, the cores of
     all the host's GPUs, numbered as the judges know them."""
-    import subprocess
-    from types import SimpleNamespace
-
-    from drkernel import evaluator
-    listing = "GPU 0: H100 (UUID: a)\nGPU 1: H100 (UUID: b)\nGPU 2: H100\nGPU 3: H100\n"
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(stdout=listing))
+    from drkernel import evalcache, evaluator
+    monkeypatch.setattr(evalcache, "_nvidia_smi", lambda: (("H100", "580"),) * 4)  # nvidia-smi lists 4
     assert evaluator._host_gpu_numbers(["3"]) == [0, 1, 2, 3]
     assert evaluator._host_gpu_numbers(["GPU-uuid"]) == [0, 1, 2, 3]
-
-    def no_nvidia_smi(*a, **k):
-        raise FileNotFoundError("nvidia-smi")
-    monkeypatch.setattr(subprocess, "run", no_nvidia_smi)
+    monkeypatch.setattr(evalcache, "_nvidia_smi", lambda: None)  # no nvidia-smi
     assert evaluator._host_gpu_numbers(["2", "5"]) == [0, 2, 5]
 
 

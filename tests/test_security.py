@@ -334,6 +334,24 @@ def test_a_preflight_import_cannot_move_itself_onto_the_timing_core():
     assert got == "[True, False, False, False, True, True, False]", got
 
 
+def test_a_runner_cannot_move_itself_to_another_core():
+    """A runner's CPU set is the judge's to move: the candidate cannot change its own (the filter
+    holds for every thread, including those the judge's scheduling check, which reads the main
+    thread, would not see)."""
+    probe = """
+    try:
+        os.sched_setaffinity(0, os.sched_getaffinity(0))
+        print("MOVED")
+    except OSError:
+        print("REFUSED")
+    """
+    cand = relu_candidate("return launch(x)", extra="import os\n" + textwrap.dedent(probe))
+    with Evaluator(cfg()) as ev:
+        r = ev.evaluate(str(TASKS / "1_ReLU.py"), cand)
+    assert r.verdict == "correct", (r.verdict, r.error)
+    assert "REFUSED" in r.stdout and "MOVED" not in r.stdout, r.stdout
+
+
 def test_a_candidate_reads_neither_the_callers_secrets_nor_the_hosts(monkeypatch):
     """The fork server inherits only what Python, the compilers, CUDA, Triton and torch read (no
     token in the environment, /proc/self/environ included); the user's home (beyond the Python
