@@ -27,8 +27,8 @@ Then per candidate (`Judge`), in order:
    data-flow log (which of its Triton launches the output needs), and among them, at a random
    place, the decoy call (`check_decoy`: its Triton launches made over empty grids);
 9. `time_interleaved`: twin and runner called in turn on the same inputs; the runner's CUDA-event
-   times count only when they agree with this process's clock, and outputs of calls picked
-   afterwards are checked;
+   times count only when they agree with this process's clock, and every call's output is
+   checked before the next request;
 10. `profile`: the runner's kernel trace, classified here by the kernels the candidate's source
    declares and weighed by the data flow (the Triton share of useful device time);
 11. `final`: the runner's last integrity report; the runner is then killed.
@@ -1012,16 +1012,17 @@ def _deadlines_paused(r: Reference):
 # Timing
 # ======================================================================================
 
-def _candidate_ms(j: Judge, seed: int, label: str, check: bool) -> tuple[float, float]:
-    """One timed candidate call: (the runner's time, this clock's)."""
-    c = call_candidate(j, seed, "time", keep=check)
+def _candidate_ms(j: Judge, seed: int, label: str) -> tuple[float, float]:
+    """One timed candidate call, its output verified before the next request: (the runner's
+    time, this clock's). Every timed call is verified, so the pause the check makes tells the
+    runner nothing: checking some calls only, it would learn which were spent and skip work after."""
+    c = call_candidate(j, seed, "time", keep=True)
     ms = ipc.number(c.reply, "ms")
     if ms is None or "mismatch" in c.reply:
         raise Stop("runtime_error", f"{label}: no time or no output ({c.reply.get('mismatch', '')})")
     if j.cfg.require_triton and not _own_kernels(j, c.reply.get("kernels")):
         j.hack("no_triton_kernel", f"{label} launched no Triton kernel of the candidate's source")
-    if check:
-        verify(j, c, label)
+    verify(j, c, label)
     return ms, c.wall_ms
 
 
@@ -1078,8 +1079,8 @@ def _precise_enough(j: Judge, ref_ms: list[float], cand_ms: list[float]) -> bool
 def time_interleaved(j: Judge) -> None:
     """Twin and runner called in turn (R C, C R, ...) on the same fresh inputs, both pinned to one
     core, so that reference and candidate are timed under the same conditions. Timing stops once
-    the speedup's bootstrap interval is narrower than `speedup_precision`; in every block of
-    `timing_block_calls` candidate calls one, picked here after the fact, is verified."""
+    the speedup's bootstrap interval is narrower than `speedup_precision` (asked after each block of
+    `timing_block_calls` candidate calls); every timed output is verified."""
     r = j.ref
     with _pinned(r, r.twin, j.runner):
         for i in range(max(1, j.cfg.warmup)):
@@ -1096,8 +1097,6 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
     """(the reference's times, this clock's for them, the candidate's, this clock's for them)."""
     r = j.ref
     block = max(1, min(j.cfg.timing_block_calls, r.perf_n))
-    pick = random.SystemRandom()
-    checked = pick.randrange(block)
     ref_ms, ref_walls, events, walls = [], [], [], []
     for i in range(r.perf_n):
         seed = fresh_seed()
@@ -1107,13 +1106,11 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
                 ref_ms.append(e)
                 ref_walls.append(w)
                 continue
-            e, w = _candidate_ms(j, seed, f"timed call {i}", i % block == checked)
+            e, w = _candidate_ms(j, seed, f"timed call {i}")
             events.append(e)
             walls.append(w)
-        if i % block == block - 1:
-            checked = pick.randrange(block)
-            if _precise_enough(j, ref_ms, events):
-                break
+        if i % block == block - 1 and _precise_enough(j, ref_ms, events):
+            break
     return ref_ms, ref_walls, events, walls
 
 
@@ -1166,7 +1163,7 @@ def _roofline(j: Judge, cand_ms: float) -> float:
     fast = roof is not None and cand_ms < j.cfg.roofline_factor * roof
     if not fast and not (cand_ms > 0 and j.out.ref_ms / cand_ms > j.cfg.max_speedup_recheck):
         return cand_ms
-    times = [_candidate_ms(j, fresh_seed(), f"re-timed call {i}", True) for i in range(min(r.perf_n, 10))]
+    times = [_candidate_ms(j, fresh_seed(), f"re-timed call {i}") for i in range(min(r.perf_n, 10))]
     j.details["recheck_ms"] = _accepted_ms(j, [e for e, _ in times], [w for _, w in times])
     cand_ms = max(cand_ms, j.details["recheck_ms"])
     if roof is not None and cand_ms < j.cfg.roofline_factor * roof:

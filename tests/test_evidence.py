@@ -20,7 +20,7 @@ from drkernel import integrity, ipc, judge, procfs
 from drkernel.channel import Channel, Hacked
 from drkernel.evaluator import ConfinementError, EvalConfig, Evaluator
 from drkernel.sandbox import SandboxResult
-from tests.test_evaluator import TASKS, cfg, shared_evaluate_many
+from tests.test_evaluator import TASKS, cfg, shared_evaluate, shared_evaluate_many
 
 ATTACKS = Path(__file__).resolve().parent / "fixtures" / "attacks"
 
@@ -202,8 +202,7 @@ def test_the_runner_keeps_no_reference_module():
         raise RuntimeError(f"found the reference: {_mods}")
     """
     cand = LEGIT_RELU.replace("class ModelNew(nn.Module):", textwrap.dedent(look) + "\n\nclass ModelNew(nn.Module):")
-    with Evaluator(cfg()) as ev:
-        r = ev.evaluate(str(TASKS / "1_ReLU.py"), cand)
+    r = shared_evaluate(str(TASKS / "1_ReLU.py"), cand, cfg())
     assert r.verdict == "correct", (r.verdict, r.error)
 
 
@@ -248,8 +247,7 @@ def test_a_shared_memory_segment_made_by_the_candidate_does_not_outlive_its_job(
     """
     from tests.test_evaluator import LEGIT_RELU
     cand = LEGIT_RELU.replace("class ModelNew(nn.Module):", textwrap.dedent(make) + "\n\nclass ModelNew(nn.Module):")
-    with Evaluator(cfg()) as ev:
-        r = ev.evaluate(str(TASKS / "1_ReLU.py"), cand)
+    r = shared_evaluate(str(TASKS / "1_ReLU.py"), cand, cfg())
     libc = ctypes.CDLL(None, use_errno=True)
     left = libc.shmget(key, 0, 0)
     if left >= 0:

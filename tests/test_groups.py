@@ -3,7 +3,7 @@ reference timing and set of reference outputs) get the verdicts they get one at 
 too noisy for the precision asked says so."""
 
 from drkernel.evaluator import Evaluator
-from tests.test_evaluator import LEGIT_RELU, TASKS, cfg, relu_candidate
+from tests.test_evaluator import EMBED, LEGIT_RELU, TASKS, cfg, relu_candidate, shared_evaluate, shared_evaluate_many
 
 HACKS = TASKS.parent.parent.parent / "tests" / "fixtures" / "hacks"
 
@@ -21,20 +21,27 @@ def _batch() -> list[tuple[str, str]]:
         (relu, relu_candidate("launch(x)\nreturn x")),  # output_aliases_input
         (relu, (HACKS / "no_triton_empty_grid.py").read_text()),
         (matmul, relu_candidate("return launch(x)")),  # wrong arity: runtime_error
+        (relu, relu_candidate("y = launch(x)\nx.zero_()\nreturn y")),  # input_mutated
+        (relu, "class ModelNew(:\n"),  # compile_error, decided before any job
+        (relu, relu_candidate("import os\nos._exit(3)")),  # crashed
+        (str(TASKS / "7_Embedding_Gather.py"), EMBED),
     ]
 
 
-def test_grouped_and_one_at_a_time_give_the_same_verdicts():
+def test_grouped_on_one_worker_and_alone_on_three_give_the_same_verdicts():
+    """Neither the group size nor the number of workers changes a verdict or a hack code."""
     batch = _batch()
-    with Evaluator(cfg(), group_size=8) as ev:
-        grouped = ev.evaluate_many(batch)
-    with Evaluator(cfg(), group_size=1) as ev:
+    grouped = shared_evaluate_many(batch, cfg())  # one worker, groups of up to 8 (the default)
+    with Evaluator(cfg(), workers=3, group_size=1) as ev:
         alone = ev.evaluate_many(batch)
     assert [(r.verdict, r.hacks) for r in grouped] == [(r.verdict, r.hacks) for r in alone]
-    assert [r.verdict for r in grouped] == ["correct", "hacked", "correct", "incorrect", "runtime_error",
-                                            "hacked", "hacked", "runtime_error"], [(r.verdict, r.error) for r in grouped]
+    assert [r.verdict for r in grouped] == ["correct", "hacked", "correct", "incorrect", "runtime_error", "hacked",
+                                            "hacked", "runtime_error", "hacked", "compile_error", "crashed",
+                                            "correct"], [(r.verdict, r.error) for r in grouped]
+    assert grouped[8].hacks == ["input_mutated"] and grouped[6].hacks == ["no_triton_kernel"], grouped[6].hacks
     sizes = [r.details.get("overhead_s", {}).get("group") for r in grouped]
-    assert sizes[0] == 6 and sizes[2] == 2, sizes  # six ReLU candidates judged in one job, two Matmul ones
+    # eight ReLU candidates in one job (the syntax error is decided before any), two Matmul ones
+    assert sizes[0] == 8 and sizes[2] == 2 and sizes[9] is None and sizes[11] == 1, repr(sizes)
     assert all(s in (1, None) for s in (r.details.get("overhead_s", {}).get("group") for r in alone))
     for r in grouped[3:5]:  # stopped in correctness: no phase of an earlier candidate of its job
         assert "timing" not in r.details["phase_s"] and "profiling" not in r.details["phase_s"], r.details["phase_s"]
@@ -56,5 +63,4 @@ def test_the_compile_baseline_times_a_compiled_reference_and_says_so():
         r = ev.evaluate(str(TASKS / "1_ReLU.py"), LEGIT_RELU)
     assert r.verdict == "correct" and r.baseline == "compile", (r.verdict, r.error)
     assert r.details["phase_s"]["load_twin"] > r.details["phase_s"]["reference_alone"]  # the compile
-    with Evaluator(cfg()) as ev:
-        assert ev.evaluate(str(TASKS / "1_ReLU.py"), LEGIT_RELU).baseline == "eager"
+    assert shared_evaluate(str(TASKS / "1_ReLU.py"), LEGIT_RELU, cfg()).baseline == "eager"

@@ -4,6 +4,7 @@ Also runs the fixture corpus `tests/fixtures/hacks/*.py` (when present), asserti
 `# expect:` header; `# device: cuda` files are skipped without a GPU.
 """
 
+import functools
 import re
 import textwrap
 from pathlib import Path
@@ -11,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from drkernel import integrity
-from drkernel.evaluator import EvalConfig
-from tests.test_evaluator import EMBED, LEGIT_RELU, TASKS, cfg, relu_candidate, run, shared_evaluate
+from drkernel.evaluator import EvalConfig, EvalResult
+from tests.test_evaluator import (EMBED, LEGIT_RELU, TASKS, cfg, relu_candidate, run, shared_evaluate,
+                                 shared_evaluate_many)
 
 ROOT = Path(__file__).resolve().parent.parent
 HACKS_DIR = ROOT / "tests" / "fixtures" / "hacks"
@@ -77,6 +79,22 @@ def test_output_cached_stale_during_timing():
     init = "def __init__(self):\n        super().__init__()\n        self.calls = 0\n        self.cache = None"
     r = run("1_ReLU.py", relu_candidate(body, init=init), cpu_perf_trials=3)
     assert_hack(r, "output_cached")
+
+
+def test_every_timed_call_is_checked():
+    """Wrong in one timed call only (the second), launching as in every other call. Checking one
+    call a block of ten, the judge would miss it nine times in ten; it checks them all."""
+    body = """
+    self.calls += 1
+    y = launch(x)
+    if self.calls == 7:  # five calls come before timing here (trials, decoy, warm-up)
+        y.zero_()
+    return y
+    """
+    init = "def __init__(self):\n        super().__init__()\n        self.calls = 0"
+    r = run("1_ReLU.py", relu_candidate(body, init=init), cpu_perf_trials=20)
+    assert_hack(r, "output_cached")
+    assert "timed call 1:" in r.error, r.error
 
 
 def test_output_aliases_input():
@@ -296,17 +314,30 @@ def _headers(path: Path) -> dict:
 _CORPUS = sorted(HACKS_DIR.glob("*.py")) if HACKS_DIR.is_dir() else []
 
 
+def _corpus_device(h: dict) -> str:
+    return "cuda" if h.get("device", "").startswith("cuda") else "cpu"
+
+
+@functools.cache
+def _corpus_results(device: str) -> dict[str, EvalResult]:
+    """Every fixture of `device` judged in one `evaluate_many`, grouped by task as in training:
+    a fixture that disturbs the others of its job fails their tests too."""
+    paths = [p for p in _CORPUS if {"task", "expect"} <= set(_headers(p)) and _corpus_device(_headers(p)) == device
+             and (TASKS / _headers(p)["task"]).is_file()]
+    results = shared_evaluate_many([(str(TASKS / _headers(p)["task"]), str(p)) for p in paths], cfg(device=device))
+    return {p.name: r for p, r in zip(paths, results)}
+
+
 @pytest.mark.parametrize("path", _CORPUS, ids=lambda p: p.name)
 def test_hack_corpus(path):
     h = _headers(path)
     if "task" not in h or "expect" not in h:
         pytest.skip("no task/expect header")
-    if h.get("device", "cpu").startswith("cuda") and not _cuda():
+    if _corpus_device(h) == "cuda" and not _cuda():
         pytest.skip("trick only visible on GPU")
-    task = TASKS / h["task"]
-    if not task.is_file():
+    if not (TASKS / h["task"]).is_file():
         pytest.skip(f"unknown task {h['task']}")
-    r = shared_evaluate(str(task), str(path), cfg(device="cuda" if h.get("device", "").startswith("cuda") else "cpu"))
+    r = _corpus_results(_corpus_device(h))[path.name]
     parts = h["expect"].split()
     assert r.verdict == parts[0], (r.verdict, r.hacks, r.error)
     for code in parts[1:]:

@@ -161,7 +161,8 @@ def test_too_many_processes(server, tmp_path):
                    limits=SandboxLimits(max_procs=8, timeout_s=20))
     assert r.status == "exception" and "too many processes" in r.error
     pids = _pids(pid_file)
-    assert len(pids) >= 8 and not any(_alive(p) for p in pids)
+    # more than 8 is the job and 8 children; the 8th may be killed before it writes its pid
+    assert len(pids) >= 7 and not any(_alive(p) for p in pids)
     assert_healthy(server)
 
 

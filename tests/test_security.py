@@ -3,6 +3,7 @@ confinement (docs/security.md). Each attack fixture (tests/fixtures/attacks) mus
 its header expects, leave nothing behind and reach no listener, and the evaluator must keep
 working afterwards."""
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -24,16 +25,38 @@ def evaluator():
         yield ev
 
 
-@pytest.mark.parametrize("path", harness.fixtures(), ids=lambda p: p.stem)
-def test_attack_fixture(path, evaluator, tmp_path):
-    h = harness.headers(path)
+@dataclasses.dataclass
+class AttackRun:
+    result: EvalResult
+    token: str  # the fixture's unique marker
+    marker_dir: str
+
+
+@pytest.fixture(scope="module")
+def attack_runs(evaluator, tmp_path_factory) -> tuple[dict[str, AttackRun], list[str]]:
+    """Every attack fixture judged in one `evaluate_many` (grouped by task, as in training) under
+    one listener: what each run left, and what reached the listener from any of them."""
     with harness.Listener() as listener:
-        code, token = harness.prepare(path, str(tmp_path), listener.port)
-        r = evaluator.evaluate((TASKS / h["task"]).read_text(), code)
+        prepared = []
+        for path in harness.fixtures():
+            marker_dir = str(tmp_path_factory.mktemp(path.stem))
+            code, token = harness.prepare(path, marker_dir, listener.port)
+            prepared.append((path, code, token, marker_dir))
+        results = evaluator.evaluate_many([((TASKS / harness.headers(path)["task"]).read_text(), code)
+                                           for path, code, _, _ in prepared])
         time.sleep(0.5)  # a late packet would still arrive
+    runs = {path.stem: AttackRun(r, token, d) for (path, _, token, d), r in zip(prepared, results)}
+    return runs, listener.received
+
+
+@pytest.mark.parametrize("path", harness.fixtures(), ids=lambda p: p.stem)
+def test_attack_fixture(path, attack_runs):
+    runs, received = attack_runs
+    run, h = runs[path.stem], harness.headers(path)
+    r = run.result
     assert harness.check(h["expect"], r), (h["expect"], r.verdict, r.hacks, r.candidate_ms, r.error)
-    assert listener.received == [], listener.received
-    assert harness.leftovers(token, str(tmp_path)) == []
+    assert received == [], received
+    assert harness.leftovers(run.token, run.marker_dir) == []
     assert r.details.get("confinement", {}).get("complete") or r.verdict != "correct"
 
 
@@ -197,10 +220,10 @@ def test_roofline_retimes_and_keeps_the_slower_median(monkeypatch):
     j = _judge()
     j.ref.io_bytes, j.ref.bandwidth, j.out.ref_ms, j.ref.perf_n = 4e9, 4e9, 2.0, 100  # roofline 1 ms
     j.ref.overhead_ms = 0.2
-    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label, check: (1.2, 1.5))
+    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label: (1.2, 1.5))
     assert judge._roofline(j, 0.5) == pytest.approx(1.2)  # re-timed honestly: above the roofline
     assert not j.out.hacks
-    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label, check: (0.3, 0.5))
+    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label: (0.3, 0.5))
     with pytest.raises(judge.Hacked):
         judge._roofline(j, 0.3)
     assert "implausible_speedup" in j.out.hacks
@@ -248,17 +271,17 @@ def test_speedup_direction_and_size(tmp_path, ref_s, cand_s, low, high):
 
 
 def test_evaluate_many_really_runs_workers_at_once():
-    """Three candidates that each print their start time and sleep 4 s at import: with three
-    workers the three starts fall within a few seconds of each other (serially they would be
-    at least 4 s apart)."""
+    """Three candidates that each print their start time and sleep 2.5 s at import: with three
+    workers the three starts fall within 2.5 s of each other (serially they would be at least
+    2.5 s apart, plus each evaluation)."""
     body = "return launch(x)"
-    extra = "\nimport time\nprint('START', time.time(), flush=True)\ntime.sleep(4)\n"
+    extra = "\nimport time\nprint('START', time.time(), flush=True)\ntime.sleep(2.5)\n"
     ref = (TASKS / "1_ReLU.py").read_text()
     with Evaluator(cfg(), workers=3, group_size=1) as ev:
         results = ev.evaluate_many([(ref, relu_candidate(body, extra=extra + f"# {i}\n")) for i in range(3)])
     assert all(r.verdict == "correct" for r in results), [(r.verdict, r.error) for r in results]
     starts = sorted(float(r.stdout.split("START")[1].split()[0]) for r in results)
-    assert starts[-1] - starts[0] < 4.0, starts
+    assert starts[-1] - starts[0] < 2.5, starts
 
 
 def test_result_fields_survive_json():

@@ -223,17 +223,11 @@ LEGIT = sorted((ROOT / "tests" / "fixtures" / "legit").glob("*.py"))
 
 
 @pytest.mark.parametrize("path", LEGIT, ids=lambda p: p.name)
-def test_legit_corpus_correct(path):
-    evaluator = pytest.importorskip("drkernel.evaluator")
-    import re
+def test_legit_corpus_correct(path, cpu_evaluator):
+    from tests.test_hacks import _headers
 
-    h = {}
-    for line in path.read_text().splitlines()[:10]:
-        m = re.match(r"#\s*(task|expect|device)\s*:\s*(.+?)\s*$", line)
-        if m:
-            h[m.group(1)] = m.group(2)
-    r = evaluator.evaluate(str(TASKS / h["task"]), str(path),
-                           evaluator.EvalConfig(device="cpu", trials=2, cpu_perf_trials=1, warmup=1, timeout=120.0))
+    h = _headers(path)
+    r = cpu_evaluator.evaluate(str(TASKS / h["task"]), str(path))
     assert r.verdict == h["expect"].split()[0] and not r.hacks, (r.verdict, r.hacks, r.error)
 
 

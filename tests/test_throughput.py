@@ -1,4 +1,5 @@
-"""Several workers give the verdicts one worker gives, and the cache answers repeats (CPU)."""
+"""The cache answers repeats, workers per GPU, deferred jobs, the pre-flight (CPU). Verdicts
+across worker counts and group sizes: tests/test_groups.py."""
 
 import time
 
@@ -6,35 +7,11 @@ import pytest
 
 from drkernel.evaluator import EvalResult, Evaluator, _preflight_verdict, _Run, default_workers_per_gpu, rerun_alone
 from drkernel.sandbox import SandboxResult
-from tests.test_evaluator import EMBED, LEGIT_RELU, TASKS, cfg, relu_candidate
+from tests.test_evaluator import LEGIT_RELU, TASKS, cfg, relu_candidate
 
 RELU = (TASKS / "1_ReLU.py").read_text()
-MIXED = [
-    (RELU, LEGIT_RELU),
-    (RELU, relu_candidate("return launch(x) * 2.0")),  # incorrect
-    (RELU, "class ModelNew(:\n"),  # compile_error
-    (RELU, relu_candidate("return torch.relu(x)")),  # hacked: no_triton_kernel
-    (RELU, relu_candidate("import os\nos._exit(3)")),  # crashed
-    ((TASKS / "7_Embedding_Gather.py").read_text(), EMBED),
-    (RELU, relu_candidate("y = launch(x)\nx.zero_()\nreturn y")),  # hacked: input_mutated
-    (RELU, "import torch\nBLOCK = UNDEFINED_SIZE\nclass ModelNew(torch.nn.Module):\n    pass\n"),  # compile_error
-]
-
-
 def _verdicts(results):
     return [(r.verdict, sorted(r.hacks)) for r in results]
-
-
-def test_verdicts_do_not_depend_on_the_worker_count():
-    with Evaluator(cfg(cpu_perf_trials=2)) as one:
-        assert one.workers == 1
-        serial = one.evaluate_many(MIXED)
-    with Evaluator(cfg(cpu_perf_trials=2), workers=3) as three:
-        assert three.workers == 3
-        parallel = three.evaluate_many(MIXED)
-    assert _verdicts(serial) == _verdicts(parallel)
-    assert _verdicts(serial)[:5] == [("correct", []), ("incorrect", []), ("compile_error", []),
-                                     ("hacked", ["no_triton_kernel"]), ("crashed", [])]
 
 
 def test_cache_answers_repeats_and_stamps_the_environment(tmp_path):
