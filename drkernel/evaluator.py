@@ -31,7 +31,7 @@ from drkernel.channel import cuda_fault, short
 from drkernel.confine import hidden_dirs
 from drkernel.gpushare import MemoryLedger, plan_cores
 from drkernel.sandbox import SandboxLimits, SandboxPool
-from drkernel.tasks import text_digest
+from drkernel.tasks import UNPARSABLE, text_digest
 
 
 
@@ -206,6 +206,18 @@ _PRELOAD = ("torch", "triton", "torch._dynamo", "torch.profiler", "drkernel.comp
 _JUDGE, _RUNNER, _PREFLIGHT = "drkernel.judge:evaluate", "drkernel.runner:main", "drkernel.runner:preflight"
 
 
+def _scan_verdict(cand_code: str, ref_path: str) -> EvalResult | None:
+    """`hacked` with every code the static scan finds, or None."""
+    from drkernel import integrity
+    found = integrity.static_scan(cand_code, ref_path)
+    if not found:
+        return None
+    codes = list(dict.fromkeys(c for c, _ in found))
+    return EvalResult(verdict="hacked", compiled=True, hacks=codes,
+                      error="static scan: " + "; ".join(f"{c}: {d}" for c, d in found[:8]),
+                      details={"static_findings": [list(f) for f in found]})
+
+
 class _Prepared:
     def __init__(self, reference, candidate, cfg: EvalConfig):
         self.cfg = cfg
@@ -218,22 +230,14 @@ class _Prepared:
         except OSError as exc:
             self.early = EvalResult(verdict="runtime_error", error=f"cannot read input: {exc}")
             return
-        self.early = _static_checks(cand_code, cfg)
         self.ref_digest = text_digest(ref_code)[:12]
         self.ref_path = os.path.join(self.dir, f"reference_{self.ref_digest}.py")
         self.cand_path = os.path.join(self.dir, "candidate_" + text_digest(cand_code)[:12] + ".py")
+        try:  # a text nested too deeply for Python's parser or a walk of its tree fails alone
+            self.early = _static_checks(cand_code, cfg) or _scan_verdict(cand_code, self.ref_path)
+        except UNPARSABLE as exc:
+            self.early = EvalResult(verdict="compile_error", error=f"cannot parse candidate: {type(exc).__name__}")
         if self.early is not None:
-            return
-        from drkernel import integrity
-        found = integrity.static_scan(cand_code, self.ref_path)
-        if found:
-            codes = []
-            for c, _ in found:
-                if c not in codes:
-                    codes.append(c)
-            self.early = EvalResult(verdict="hacked", compiled=True, hacks=codes,
-                                    error="static scan: " + "; ".join(f"{c}: {d}" for c, d in found[:8]),
-                                    details={"static_findings": [list(f) for f in found]})
             return
         Path(self.ref_path).write_text(ref_code, encoding="utf-8")
         Path(self.cand_path).write_text(cand_code, encoding="utf-8")

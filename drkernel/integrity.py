@@ -18,6 +18,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from drkernel.tasks import UNPARSABLE
+
 from drkernel.triton_source import dotted
 
 # --------------------------------------------------------------------------------------
@@ -58,7 +60,7 @@ def static_scan(source: str, reference_path: str | None = None) -> list[tuple[st
     """Return (hack code, detail) findings for a candidate's source, each once. Never raises."""
     try:
         tree = ast.parse(source)
-    except SyntaxError:
+    except UNPARSABLE:  # the evaluator's own parse gives the verdict
         return []
     found: list[tuple[str, str]] = []
     for node in ast.walk(tree):

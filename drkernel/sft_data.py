@@ -53,7 +53,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from drkernel import metrics
 from drkernel.config import TaskSelection, output_problem
 from drkernel.jsonl import finite, first_reasons, iter_jsonl
-from drkernel.tasks import Task, text_digest
+from drkernel.tasks import UNPARSABLE, Task, text_digest
 
 IGNORE_INDEX = -100
 BUNDLED_SFT = Path(__file__).parent / "data" / "sft" / "conversations.jsonl"
@@ -372,7 +372,7 @@ def kernel_hash(code: str) -> str:
     """sha256 of the code with comments, blank lines and formatting normalised away (via ast)."""
     try:
         norm = ast.unparse(ast.parse(code))
-    except (SyntaxError, ValueError):
+    except UNPARSABLE:
         norm = "\n".join(" ".join(line.split()) for line in code.splitlines()
                          if line.strip() and not line.strip().startswith("#"))
     return text_digest(norm)[:16]

@@ -20,6 +20,9 @@ DEFAULT_HUB_ID = "ScalingIntelligence/KernelBench"
 BUNDLED_DIR = Path(__file__).parent / "data" / "tasks"
 BUNDLED_SOLUTIONS_DIR = Path(__file__).parent / "data" / "solutions"
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
+# what `ast.parse` (or a recursive walk of its tree) raises on text it cannot take: a syntax error,
+# a NUL byte (ValueError), nesting deeper than the parser or the recursion limit allows
+UNPARSABLE = (SyntaxError, ValueError, MemoryError, RecursionError)
 
 
 def text_digest(text: str) -> str:
@@ -82,6 +85,8 @@ def validate_code(code: str, where: str = "task") -> None:
         tree = ast.parse(code)
     except SyntaxError as exc:
         raise TaskError(f"{where}: not valid Python ({exc.msg}, line {exc.lineno})") from None
+    except UNPARSABLE as exc:
+        raise TaskError(f"{where}: not valid Python ({type(exc).__name__}: {exc})") from None
     defined = {
         node.name for node in tree.body if isinstance(node, (ast.ClassDef, ast.FunctionDef))
     } | {

@@ -16,6 +16,8 @@ import ast
 import builtins
 import dataclasses
 
+from drkernel.tasks import UNPARSABLE
+
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
@@ -28,7 +30,7 @@ def jit_kernels(source: str) -> dict[str, Kernel]:
     """Every `jit` kernel of `source` by name; empty for source that does not parse."""
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    except UNPARSABLE:
         return {}
     defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     names = {n.name for n in defs.values() if any(_is_jit(d) for d in n.decorator_list)}
@@ -44,7 +46,7 @@ def python_calls(source: str) -> list[str]:
     interpreter runs them as Python, unseen by the data-flow log, which is paused inside a launch."""
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    except UNPARSABLE:
         return []
     kernels = set(jit_kernels(source))
     tl_names = _triton_aliases(tree)

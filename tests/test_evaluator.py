@@ -434,6 +434,16 @@ def test_the_detailed_comparison_holds_a_few_chunks_whatever_the_output_size(mon
     assert max(peaks) <= 8 * 1000 * 8  # float64 chunk bytes; the output alone is 800,000 bytes
 
 
+def test_a_candidate_nested_too_deeply_to_parse_fails_alone():
+    """Nesting past Python's parser (RecursionError, then MemoryError) is that candidate's
+    compile_error; the batch goes on."""
+    ref = str(TASKS / "1_ReLU.py")
+    deep = [relu_candidate("return " + "-" * n + "launch(x)") for n in (5000, 100000)]
+    results = shared_evaluate_many([(ref, deep[0]), (ref, LEGIT_RELU), (ref, deep[1])], cfg())
+    assert [r.verdict for r in results] == ["compile_error", "correct", "compile_error"], [r.error for r in results]
+    assert "RecursionError" in results[0].error and "MemoryError" in results[2].error
+
+
 def test_a_path_that_does_not_exist_is_its_items_error_not_source_text(tmp_path):
     """A misspelt path was read as one line of source (a SyntaxError blamed on the code)."""
     from pathlib import Path

@@ -480,6 +480,8 @@ def test_generations_to_sft(generations, tiny_tokenizer):
     assert [m["role"] for m in hacked] == ["system", "user", "assistant"]
     assert "hack" not in hacked[-1]["content"]
     assert out[0]["kernel_hash"] == sft_data.kernel_hash(KERNEL_A_REFORMATTED) != sft_data.kernel_hash(KERNEL_B)
+    deep = "y = " + "-" * 5000 + "x\n"  # too deep for Python's parser: hashed as text
+    assert sft_data.kernel_hash(deep) == sft_data.kernel_hash(" " + deep) != sft_data.kernel_hash(deep + "z = 1\n")
     # the failed first answer is context, the fix is trained
     ex = sft_data.tokenize_conversation(msgs, tiny_tokenizer)
     check_labels(tiny_tokenizer, msgs, ex)

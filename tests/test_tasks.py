@@ -63,3 +63,12 @@ def test_a_task_file_that_is_not_utf8_is_a_task_error(tmp_path):
     bad.write_bytes(b"\xff\xfeclass Model: pass\n")
     with pytest.raises(TaskError, match="not UTF-8 text"):
         load_task_file(bad)
+
+
+@pytest.mark.parametrize("text, words", [("x = 1\0\n", "(ValueError: )?source code string cannot contain null bytes"), ("x = " + "-" * 5000 + "1\n", "RecursionError"),
+                                         ("x = " + "-" * 100000 + "1\n", "MemoryError")])
+def test_task_code_python_cannot_parse_is_a_task_error(text, words):
+    """A NUL byte, or nesting too deep for Python's parser, is the task's error, named."""
+    from drkernel.tasks import validate_code
+    with pytest.raises(TaskError, match=f"broken.py: not valid Python \\({words}"):
+        validate_code(text, "broken.py")
