@@ -98,12 +98,30 @@ def _not_a_file(path: str) -> str:
     return f"not a regular file: {path}" if os.path.lexists(path) else f"no such file: {path}"
 
 
+def _foreign_encoding(code: str) -> str | None:
+    """Why the file's coding declaration is refused: Python, decoding the UTF-8 file it is written
+    to by that declaration, would read other code than the text every check here reads (in UTF-7
+    a comment can hold a line that runs)."""
+    import io
+    import tokenize
+    data = code.encode("utf-8", "surrogatepass")
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+        if encoding in ("utf-8", "utf-8-sig") or data.decode(encoding) == code:
+            return None
+    except (SyntaxError, UnicodeDecodeError) as exc:
+        return f"coding declaration: {exc}"
+    return f"coding declaration {encoding!r}: Python would read other code than this text"
+
+
 def _static_checks(cand_code: str, cfg: EvalConfig) -> EvalResult | None:
     """Verdicts the candidate's text alone decides: it must parse, define `ModelNew` and (where
     Triton is required) define a `@triton.jit` kernel."""
     import ast
 
     from drkernel.triton_source import jit_kernels, python_calls
+    if problem := _foreign_encoding(cand_code):
+        return EvalResult(verdict="compile_error", error=problem)
     try:
         tree = ast.parse(cand_code)
     except SyntaxError as exc:

@@ -444,6 +444,16 @@ def test_a_candidate_nested_too_deeply_to_parse_fails_alone():
     assert "RecursionError" in results[0].error and "MemoryError" in results[2].error
 
 
+def test_a_coding_declaration_is_refused_only_where_python_would_read_other_code():
+    """tests/fixtures/hacks/coding_cookie_hides_code.py hides a line in UTF-7; an ASCII file that
+    declares Latin-1 reads the same either way."""
+    from drkernel.evaluator import _foreign_encoding
+    assert _foreign_encoding("# coding: latin-1\nx = 1\n") is None
+    assert _foreign_encoding("#!/usr/bin/env python\n# -*- coding: utf-8 -*-\nx = 'é'\n") is None
+    assert "other code" in _foreign_encoding("# coding: latin-1\nx = 'é'\n")
+    assert "unknown encoding" in _foreign_encoding("# coding: nonsense\nx = 1\n")
+
+
 def test_a_path_that_does_not_exist_is_its_items_error_not_source_text(tmp_path):
     """A misspelt path was read as one line of source (a SyntaxError blamed on the code)."""
     from pathlib import Path
