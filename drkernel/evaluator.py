@@ -31,7 +31,7 @@ from drkernel.channel import cuda_fault, short
 from drkernel.confine import hidden_dirs
 from drkernel.gpushare import MemoryLedger, plan_cores
 from drkernel.sandbox import SandboxLimits, SandboxPool
-from drkernel.tasks import UNPARSABLE, text_digest
+from drkernel.tasks import text_digest
 
 
 
@@ -109,7 +109,7 @@ def _foreign_encoding(code: str) -> str | None:
         encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
         if encoding in ("utf-8", "utf-8-sig") or data.decode(encoding) == code:
             return None
-    except (SyntaxError, UnicodeDecodeError) as exc:
+    except (SyntaxError, UnicodeDecodeError, LookupError) as exc:  # LookupError: a codec not for text
         return f"coding declaration: {exc}"
     return f"coding declaration {encoding!r}: Python would read other code than this text"
 
@@ -237,24 +237,19 @@ def _scan_verdict(cand_code: str, ref_path: str) -> EvalResult | None:
 
 
 class _Prepared:
-    def __init__(self, reference, candidate, cfg: EvalConfig):
+    def __init__(self, ref_code: str, cand_code: str, cfg: EvalConfig):
         self.cfg = cfg
         self.dir = tempfile.mkdtemp(prefix="drk_eval_")
         self.early: EvalResult | None = None
         self.preflight_s = 0.0
-        try:
-            ref_code, _ = _read(reference)
-            cand_code, _ = _read(candidate)
-        except OSError as exc:
-            self.early = EvalResult(verdict="runtime_error", error=f"cannot read input: {exc}")
-            return
         self.ref_digest = text_digest(ref_code)[:12]
         self.ref_path = os.path.join(self.dir, f"reference_{self.ref_digest}.py")
         self.cand_path = os.path.join(self.dir, "candidate_" + text_digest(cand_code)[:12] + ".py")
-        try:  # a text nested too deeply for Python's parser or a walk of its tree fails alone
+        try:  # whatever a hostile text makes these checks raise (nesting too deep for Python's
+            # parser, say) fails its own item, never the batch
             self.early = _static_checks(cand_code, cfg) or _scan_verdict(cand_code, self.ref_path)
-        except UNPARSABLE as exc:
-            self.early = EvalResult(verdict="compile_error", error=f"cannot parse candidate: {type(exc).__name__}")
+        except Exception as exc:  # noqa: BLE001
+            self.early = EvalResult(verdict="compile_error", error=f"cannot analyse candidate: {type(exc).__name__}")
         if self.early is not None:
             return
         Path(self.ref_path).write_text(ref_code, encoding="utf-8")
@@ -285,20 +280,22 @@ def evaluate(reference, candidate, cfg: EvalConfig | None = None, reward_config=
         return ev.evaluate(reference, candidate)
 
 
-def _text(src: Any) -> str:
-    """The source text of a path or of text; bytes decode as UTF-8 (U+FFFD for the rest). Any
-    other value (None: a policy that wrote no code) is no source, an empty text that fails the
-    static checks like one, so that one bad item costs its own verdict, not the batch."""
+def _source(src: Any) -> tuple[str, str | None]:
+    """(source text, why a path could not be read) of a path or of text, read once: a text is never
+    taken for a path again (a candidate whose text names a file would be judged as that file).
+    Bytes decode as UTF-8 (U+FFFD for the rest). Any other value (None: a policy that wrote no
+    code) is no source, an empty text that fails the static checks like one, so that one bad item
+    costs its own verdict, not the batch."""
     if isinstance(src, bytes):
-        return src.decode("utf-8", "replace")
+        return src.decode("utf-8", "replace"), None
     if not isinstance(src, (str, os.PathLike)):
-        return ""
+        return "", None
     try:
         text = _read(src)[0]
-    except OSError:  # the path itself: read again for its item alone, it is that item's verdict
-        text = os.fspath(src)
+    except OSError as exc:
+        return "", str(exc)
     # a lone surrogate (JSON can carry one) cannot be written or parsed: U+FFFD, as bad bytes become
-    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), None
 
 
 def _pair(item: Any) -> tuple[Any, Any]:
@@ -522,8 +519,12 @@ class Evaluator:
         """Results in the order of `pairs` ((reference, candidate): paths or source)."""
         if self.pool.closed:
             raise RuntimeError("this Evaluator is closed: make a new one")
-        texts = [(_text(r), _text(c)) for r, c in map(_pair, pairs)]
-        results = evalcache.evaluate_cached(texts, self.cfg, self._run, self.cache, self.environment)
+        sources = [(_source(r), _source(c)) for r, c in map(_pair, pairs)]
+        unread = [ref[1] or cand[1] for ref, cand in sources]
+        texts = [(ref[0], cand[0]) for (ref, cand), why in zip(sources, unread) if why is None]
+        fresh = iter(evalcache.evaluate_cached(texts, self.cfg, self._run, self.cache, self.environment))
+        results = [next(fresh) if why is None else EvalResult(verdict="runtime_error", error=f"cannot read input: {why}")
+                   for why in unread]
         for r in results:  # the reward, scored here once, with this caller's weights, fresh or cached
             r.reward = None
             rewards.score(r, self.reward_config)

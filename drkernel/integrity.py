@@ -19,7 +19,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from drkernel.tasks import UNPARSABLE
-
 from drkernel.triton_source import dotted
 
 # --------------------------------------------------------------------------------------
@@ -62,12 +61,10 @@ def static_scan(source: str, reference_path: str | None = None) -> list[tuple[st
         tree = ast.parse(source)
     except UNPARSABLE:  # the evaluator's own parse gives the verdict
         return []
-    found: list[tuple[str, str]] = []
+    found: dict[tuple[str, str], None] = {}  # ordered and each once, in linear time
     for node in ast.walk(tree):
-        for finding in _node_findings(node, reference_path):
-            if finding not in found:
-                found.append(finding)
-    return found
+        found.update(dict.fromkeys(_node_findings(node, reference_path)))
+    return list(found)
 
 
 def _node_findings(node: ast.AST, reference_path: str | None) -> list[tuple[str, str]]:

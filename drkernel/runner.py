@@ -236,7 +236,7 @@ class LaunchRecorder:
         import torch
         if _caller_code() is not LaunchRecorder._launch.__code__:
             raise RuntimeError("launches are recorded by the launch hook only")
-        name = kernel.fn.__name__
+        name = kernel.fn.__code__.co_name  # its def's name: `__name__` is the candidate's to rename
         if self.expected_stream is not None and torch.cuda.current_stream() != self.expected_stream:
             self.off_stream.add(name)
         ts = [(p, v) for p, v in bound.items() if isinstance(v, torch.Tensor)]

@@ -57,14 +57,33 @@ def python_calls(source: str) -> list[str]:
                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) for name in _names(t)}
     python = (python - kernels) | {"torch"}
     defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in kernels]
-    found = []
+    lines = source.splitlines()
+    found: dict[str, None] = {}
     for fn in defs:
-        local = _names_bound(fn)
-        for call in (c for c in ast.walk(fn) if isinstance(c, ast.Call)):
-            name = dotted(call.func)
-            if name and name.split(".")[0] in python - local and f"{fn.name} calls {name}" not in found:
-                found.append(f"{fn.name} calls {name}")
-    return found
+        outside = python - _names_bound(fn)
+        found.update(dict.fromkeys(_call_findings(fn, outside)))
+        if any(line.lstrip().startswith("def ") for line in lines[fn.lineno:fn.end_lineno]):
+            # Triton's interpreter finds a kernel's def by its text: it would run the last one
+            found[f"{fn.name} holds another line starting with 'def '"] = None
+    return list(found)
+
+
+def _call_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, outside: set[str]) -> list[str]:
+    """The calls of `fn` that reach names of `outside`: by name (`f()`, `torch.relu()`) or through
+    any other expression that holds one (`[f][0]()`, `(f or g)()`); a method of a value made in
+    the kernel (`(a * b).to(...)`) is fine."""
+    out = []
+    for call in (c for c in ast.walk(fn) if isinstance(c, ast.Call)):
+        name = dotted(call.func)
+        if name:
+            if name.split(".")[0] in outside:
+                out.append(f"{fn.name} calls {name}")
+            continue
+        root = call.func.value if isinstance(call.func, ast.Attribute) else call.func
+        held = sorted({n.id for n in ast.walk(root) if isinstance(n, ast.Name) and n.id in outside})
+        if held or not isinstance(call.func, ast.Attribute):
+            out.append(f"{fn.name} calls {ast.unparse(call.func)[:60]}")
+    return out
 
 
 def _triton_decorated(node: ast.AST, tl_names: set[str]) -> bool:

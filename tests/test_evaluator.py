@@ -452,6 +452,15 @@ def test_a_coding_declaration_is_refused_only_where_python_would_read_other_code
     assert _foreign_encoding("#!/usr/bin/env python\n# -*- coding: utf-8 -*-\nx = 'é'\n") is None
     assert "other code" in _foreign_encoding("# coding: latin-1\nx = 'é'\n")
     assert "unknown encoding" in _foreign_encoding("# coding: nonsense\nx = 1\n")
+    assert "not a text encoding" in _foreign_encoding("# coding: hex\nx = 1\n")  # raised LookupError
+
+
+def test_a_candidate_file_whose_text_is_a_path_is_judged_as_that_text(tmp_path):
+    """Read once: the text of a file naming another file is not read again as a path."""
+    pointer = tmp_path / "pointer.py"
+    pointer.write_text(str(SOLUTIONS / "1_ReLU.py"))
+    r = shared_evaluate(str(TASKS / "1_ReLU.py"), str(pointer), cfg())
+    assert r.verdict == "compile_error", (r.verdict, r.error)
 
 
 def test_a_path_that_does_not_exist_is_its_items_error_not_source_text(tmp_path):
