@@ -97,6 +97,39 @@ def test_every_timed_call_is_checked():
     assert "timed call 1:" in r.error, r.error
 
 
+_NAN_SEEDED = """
+@triton.jit
+def busy_kernel(x_ptr, scratch_ptr, flag_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(scratch_ptr + offs, tl.load(x_ptr + offs, mask=m) * 0.5 + 1.0, mask=m)
+    tl.store(flag_ptr, 1.0, mask=tl.program_id(0) == 0)
+
+
+@triton.jit
+def fill_kernel(y_ptr, flag_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, tl.full([BLOCK], -1.0, tl.float32), mask=offs < n)
+    tl.store(flag_ptr, 1.0, mask=tl.program_id(0) == 0)
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="open gap (docs/security.md): the data flow is structural; a kernel "
+                                       "result that arithmetic cancels, or that torch overwrites in parts, "
+                                       "still counts as needed")
+@pytest.mark.parametrize("body", [
+    "y = torch.full_like(x, float('nan'))\nrelu_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)\n"
+    "return torch.relu(x) + 0.0 * y",
+    "flag = torch.full((1,), float('nan'))\nbusy_kernel[(triton.cdiv(x.numel(), 1024),)](x, torch.empty_like(x), "
+    "flag, x.numel(), BLOCK=1024)\nreturn torch.relu(x) * flag",
+    "y, flag = torch.empty_like(x), torch.zeros(1)\nfill_kernel[(triton.cdiv(x.numel(), 1024),)](y, flag, x.numel(), "
+    "BLOCK=1024)\nh = x.shape[0] // 2\ny[:h].copy_(torch.relu(x[:h]))\ny[h:].copy_(torch.relu(x[h:]))\n"
+    "return y if flag.item() == 1.0 else y * float('nan')",
+], ids=["plus_zero_times", "times_flag", "overwritten_in_halves"])
+def test_a_kernel_result_the_output_does_not_really_need_is_a_decoy(body):
+    assert_hack(run("1_ReLU.py", relu_candidate(body, extra=_NAN_SEEDED)), "decoy_kernel")
+
+
 def test_output_aliases_input():
     body = """
     n = x.numel()
