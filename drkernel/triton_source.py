@@ -80,7 +80,7 @@ def _call_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, outside: set[str]
                 out.append(f"{fn.name} calls {name}")
             continue
         root = call.func.value if isinstance(call.func, ast.Attribute) else call.func
-        held = sorted({n.id for n in ast.walk(root) if isinstance(n, ast.Name) and n.id in outside})
+        held = any(isinstance(n, ast.Name) and n.id in outside for n in ast.walk(root))
         if held or not isinstance(call.func, ast.Attribute):
             out.append(f"{fn.name} calls {ast.unparse(call.func)[:60]}")
     return out

@@ -355,9 +355,10 @@ def _corpus_device(h: dict) -> str:
 def _corpus_results(device: str) -> dict[str, EvalResult]:
     """Every fixture of `device` judged in one `evaluate_many`, grouped by task as in training:
     a fixture that disturbs the others of its job fails their tests too."""
-    paths = [p for p in _CORPUS if {"task", "expect"} <= set(_headers(p)) and _corpus_device(_headers(p)) == device
-             and (TASKS / _headers(p)["task"]).is_file()]
-    results = shared_evaluate_many([(str(TASKS / _headers(p)["task"]), str(p)) for p in paths], cfg(device=device))
+    heads = {p: _headers(p) for p in _CORPUS}
+    paths = [p for p, h in heads.items() if {"task", "expect"} <= set(h) and _corpus_device(h) == device
+             and (TASKS / h["task"]).is_file()]
+    results = shared_evaluate_many([(str(TASKS / heads[p]["task"]), str(p)) for p in paths], cfg(device=device))
     return {p.name: r for p, r in zip(paths, results)}
 
 
