@@ -24,10 +24,12 @@ judge's arena (the inputs) are keyed by their own start, one key per input.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from drkernel.compare import tensors
 
@@ -163,12 +165,18 @@ class FlowLog(TorchDispatchMode):
         self._add(Event(name=kernel, kernel=kernel, args=[(p, self.keys.key(t)) for p, t in args], changed=changed))
 
 
+@contextlib.contextmanager
+def unobserved() -> Iterator[None]:
+    """Torch ops run inside are seen by no dispatch mode and no tensor subclass of the candidate's."""
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        yield
+
+
 def block_sums(t: torch.Tensor) -> torch.Tensor:
     """A checksum per 4 KiB block of `t`'s whole storage (32-bit words summed in 32 bits; the last
     entries cover the tail), without copying it: compared before and after a launch, they say
     whether and where it changed the storage. A write of the values already there changes none."""
-    from torch.utils._python_dispatch import _disable_current_modes
-    with _disable_current_modes(), torch._C.DisableTorchFunction():  # no candidate mode or subclass answers
+    with unobserved():
         st = t.untyped_storage()
         nbytes = st.nbytes()
         raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (nbytes,), (1,))

@@ -25,7 +25,7 @@ Then per candidate (`Judge`), in order:
 7. `load_candidate`: the runner imports the candidate and builds `ModelNew`;
 8. `check_correctness`: trials on fresh uniform and signed-normal inputs, each with the runner's
    data-flow log (which of its Triton launches the output needs), and among them, at a random
-   place, the decoy call (`check_decoy`: its Triton launches made over empty grids);
+   place, the counterfactual calls (`check_needed`: each kernel's launches read perturbed data);
 9. `time_interleaved`: twin and runner called in turn on the same inputs; the runner's CUDA-event
    times count only when they agree with this process's clock, and every call's output is
    checked before the next request;
@@ -74,6 +74,7 @@ class Call:
     inputs: list
     seed: int
     output: Any = None
+    ms: float | None = None  # the runner's own time for the call, where it sent a number
     before_s: float = 0.0  # the judge's seconds before the request (inputs, poison, flush)
     after_s: float = 0.0  # and after the reply (the output's copy)
 
@@ -81,13 +82,15 @@ class Call:
 @dataclasses.dataclass
 class Flow:
     """What the data-flow logs of the checked calls said, per candidate kernel name: launches,
-    launches the output needed, and the most launches in one call."""
+    launches the output needed, and the most launches in one call; and the kernels whose
+    counterfactual call left the output right (their work was not needed, whatever the log says)."""
     launches: dict[str, int] = dataclasses.field(default_factory=dict)
     needed: dict[str, int] = dataclasses.field(default_factory=dict)
     most: dict[str, int] = dataclasses.field(default_factory=dict)
+    unneeded: set[str] = dataclasses.field(default_factory=set)
 
     def fractions(self) -> dict[str, float]:
-        return {k: self.needed.get(k, 0) / n for k, n in self.launches.items() if n}
+        return {k: 0.0 if k in self.unneeded else self.needed.get(k, 0) / n for k, n in self.launches.items() if n}
 
 
 @dataclasses.dataclass
@@ -312,10 +315,12 @@ def _write_inputs(r: Reference, inputs: list) -> None:
             view.copy_(t)
 
 
-def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = False, keep: bool = False) -> Call:
+def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = False, keep: bool = False,
+         perturb: tuple[str, ...] = ()) -> Call:
     """Fresh inputs into the arena, slots poisoned, L2 flushed; then one call, timed by this clock.
     With `keep`, the committed output is copied the moment the reply arrives (the runner is
-    stopped by then; a write that lands later never counts)."""
+    stopped by then; a write that lands later never counts). A checked call names the kernels
+    whose launches read perturbed data (none but in a counterfactual call)."""
     start = _perf()
     inputs = gen_inputs(r, seed, signed)
     _write_inputs(r, inputs)
@@ -325,11 +330,15 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
     _sync(r.device)
     t0 = _perf()
     # on signed inputs a checked call also says where each launch changed its arguments (`dataflow`)
-    reply = channel.ask({"op": "call", "mode": mode, "seed": seed, "changes": signed and mode == "check"})
+    request = {"op": "call", "mode": mode, "seed": seed}
+    if mode == "check":
+        request.update(changes=signed, perturb=list(perturb))
+    reply = channel.ask(request)
     t1 = _perf()
     if "error" in reply:
         raise runner_error(reply, "forward raised")
-    c = Call(reply=reply, wall_ms=(t1 - t0) * 1e3, inputs=inputs, seed=seed, before_s=t0 - start)
+    c = Call(reply=reply, wall_ms=(t1 - t0) * 1e3, inputs=inputs, seed=seed, ms=ipc.number(reply, "ms"),
+             before_s=t0 - start)
     if keep:
         c.output = _clone(committed(r, c))
         _sync(r.device)
@@ -337,30 +346,33 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
     return c
 
 
-def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False, keep: bool = False) -> Call:
+def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False, keep: bool = False,
+                   perturb: tuple[str, ...] = ()) -> Call:
     """One call of the candidate, then what it may have left behind: no process of its may outlive
     the call, and the scheduling of the job's processes is as it was."""
     t = _perf()
     before = _scheduling(j)
-    c = call(j.ref, j.runner, seed, mode, signed, keep)
+    c = call(j.ref, j.runner, seed, mode, signed, keep, perturb)
     j.spend("candidate", t)
     if c.reply.get("output_in_arena") and not j.ref.ref_aliases:
         j.hack("output_aliases_input", f"a {mode} call returned a view of the judge's arena (an input or the "
                                        "output slot), which the copy into the slot skips", stop=False)
     _split_call(j, c)
     t = _perf()
-    if mode != "noop":  # launches over empty grids leave garbage that an honest forward may branch on
-        _launch_pattern(j, mode)
+    _launch_pattern(j, mode, judged=not perturb)
     _check_processes(j, f"a {mode} call")
     _check_scheduling(j, before)
     j.spend("process_checks", t)
     return c
 
 
-def _launch_pattern(j: Judge, mode: str) -> None:
+def _launch_pattern(j: Judge, mode: str, judged: bool = True) -> None:
     """The call's launch pattern, asked for after its reply: a checked call's is learnt, any other
-    call's must be one of them (`drkernel.launch_pattern`)."""
+    call's must be one of them (`drkernel.launch_pattern`). A counterfactual call's is asked for
+    as any other's and not judged (perturbed data may take an honest forward down another branch)."""
     sig = j.runner.ask({"op": "pattern"}).get("pattern")
+    if not judged:
+        return
     try:
         allowed = j.patterns.learn(sig) if mode == "check" else j.patterns.allows(sig)
         j.last_launches = launch_pattern.kernel_counts(sig)
@@ -446,10 +458,12 @@ def _rebuild(struct, ts, values):
     return value if type(value).__name__ == struct else None
 
 
-def verify(j: Judge, c: Call, label: str, code: str = "output_cached") -> None:
-    """The output a call committed (copied at its reply) against the reference on the same inputs."""
+def verify(j: Judge, c: Call, label: str, code: str = "output_cached", ref: Any = None) -> None:
+    """The output a call committed (copied at its reply) against the reference on the same inputs:
+    `ref`, where the twin's timed call gave it, else a run of the reference here."""
     t = _perf()
-    ref = run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed)
+    if ref is None:
+        ref = run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed)
     cmp = compare.compare(c.output, ref, j.cfg) if c.output is not None else compare.Match(
         False, str(c.reply.get("mismatch")))
     j.spend("verify", t)
@@ -580,10 +594,9 @@ def calibrate(r: Reference) -> None:
 def _residual_ms(r: Reference, seed: int) -> float:
     """The judge's time for one null call minus the runner's."""
     c = call(r, r.twin, seed, "null")
-    ms = ipc.number(c.reply, "ms")
-    if ms is None:
+    if c.ms is None:
         raise Stop("runtime_error", "the twin's calibration call returned no time")
-    return c.wall_ms - ms
+    return c.wall_ms - c.ms
 
 
 def load_twin(r: Reference) -> None:
@@ -610,14 +623,13 @@ def time_reference_alone(r: Reference) -> None:
     r.mark("reference_alone")
 
 
-def _twin_ms(r: Reference, seed: int) -> tuple[float, float]:
-    """One timed reference call in the twin (trusted: it never runs candidate code): (its own
-    time, this clock's)."""
-    c = call(r, r.twin, seed, "time")
-    ms = ipc.number(c.reply, "ms")
-    if ms is None:
+def _twin_ms(r: Reference, seed: int, keep: bool = False) -> Call:
+    """One timed reference call in the twin (trusted: it never runs candidate code), its output
+    copied with `keep`; its `ms` is set."""
+    c = call(r, r.twin, seed, "time", keep=keep)
+    if c.ms is None:
         raise Stop("runtime_error", "the reference's timing process returned no time")
-    return ms, c.wall_ms
+    return c
 
 
 
@@ -626,7 +638,7 @@ def _reference_alone_ms(r: Reference) -> float:
     """The reference's median time over `ref_isolated_trials` calls of the twin alone."""
     with _pinned(r, r.twin):
         n = max(1, min(r.perf_n, r.cfg.ref_isolated_trials))
-        return median([_twin_ms(r, fresh_seed())[0] for _ in range(n)])
+        return median([_twin_ms(r, fresh_seed()).ms for _ in range(n)])
 
 
 def _copy_bandwidth(device) -> float | None:
@@ -805,26 +817,26 @@ def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, deg
 
 
 def check_correctness(j: Judge) -> None:
-    """The trials in order, uniform then signed-normal inputs, with the decoy call at a random place
-    among the last kind's: a candidate that answers differently when it guesses the decoy fails
-    trials as often."""
+    """The trials in order, uniform then signed-normal inputs, with the counterfactual calls at a
+    random place among the last kind's, after the first trial (the kernels it launched are those
+    asked about): a candidate that answers differently when it guesses them fails trials as often."""
     n = j.cfg.trials
     n_signed = (2 if n >= 4 else 1) if j.cfg.second_distribution else 0
     seeds = j.ref.trial_seeds
     plan = [(seeds[i], False) for i in range(n)] + [(seeds[n + i], True) for i in range(n_signed)]
     pick = random.SystemRandom()
-    decoy_at = (n + pick.randrange(n_signed + 1)) if n_signed else pick.randrange(n + 1)
+    decoy_at = (n + pick.randrange(n_signed + 1)) if n_signed else 1 + pick.randrange(n)
     # The degenerate check (two passes over multi-GB outputs) runs on every signed trial, where
     # trivial answers differ most from the reference, on one uniform trial the candidate cannot
     # predict, and on a failing trial (the last one).
     checked = set(range(n, n + n_signed)) | {pick.randrange(max(1, n))}
     for ti, (seed, signed) in enumerate(plan):
         if ti == decoy_at:
-            check_decoy(j, signed=n_signed > 0)
+            check_needed(j, signed=n_signed > 0)
         with _shared(j.ref):
             _trial(j, ti, seed, signed, degenerate=ti in checked)
     if decoy_at == len(plan):
-        check_decoy(j, signed=n_signed > 0)
+        check_needed(j, signed=n_signed > 0)
     j.details["launched_kernels"] = sorted(j.launched)
     j.details["needed_fraction"] = {k: round(v, 3) for k, v in j.flow.fractions().items()}
     j.mark("correctness")
@@ -1012,18 +1024,17 @@ def _deadlines_paused(r: Reference):
 # Timing
 # ======================================================================================
 
-def _candidate_ms(j: Judge, seed: int, label: str) -> tuple[float, float]:
-    """One timed candidate call, its output verified before the next request: (the runner's
-    time, this clock's). Every timed call is verified, so the pause the check makes tells the
-    runner nothing: checking some calls only, it would learn which were spent and skip work after."""
+def _candidate_ms(j: Judge, seed: int, label: str) -> Call:
+    """One timed candidate call, its output copied at the reply (the caller verifies it before
+    the runner's next request). Every timed call is verified, so
+    the pause the check makes tells the runner nothing: checking some calls only, it would learn
+    which were spent and skip work after. Its `ms` is set."""
     c = call_candidate(j, seed, "time", keep=True)
-    ms = ipc.number(c.reply, "ms")
-    if ms is None or "mismatch" in c.reply:
+    if c.ms is None or "mismatch" in c.reply:
         raise Stop("runtime_error", f"{label}: no time or no output ({c.reply.get('mismatch', '')})")
     if j.cfg.require_triton and not _own_kernels(j, c.reply.get("kernels")):
         j.hack("no_triton_kernel", f"{label} launched no Triton kernel of the candidate's source")
-    verify(j, c, label)
-    return ms, c.wall_ms
+    return c
 
 
 def _accepted_ms(j: Judge, events: list[float], walls: list[float]) -> float:
@@ -1094,21 +1105,22 @@ def time_interleaved(j: Judge) -> None:
 
 
 def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[float]]:
-    """(the reference's times, this clock's for them, the candidate's, this clock's for them)."""
+    """(the reference's times, this clock's for them, the candidate's, this clock's for them).
+    Each candidate output is checked against the twin's for the same inputs once both exist,
+    before the runner's next request (no reference runs between the timed calls)."""
     r = j.ref
     block = max(1, min(j.cfg.timing_block_calls, r.perf_n))
     ref_ms, ref_walls, events, walls = [], [], [], []
     for i in range(r.perf_n):
         seed = fresh_seed()
+        calls = {}
         for side in (("ref", "cand") if i % 2 == 0 else ("cand", "ref")):
-            if side == "ref":
-                e, w = _twin_ms(r, seed)
-                ref_ms.append(e)
-                ref_walls.append(w)
-                continue
-            e, w = _candidate_ms(j, seed, f"timed call {i}")
-            events.append(e)
-            walls.append(w)
+            calls[side] = _twin_ms(r, seed, keep=True) if side == "ref" else _candidate_ms(j, seed, f"timed call {i}")
+        ref_ms.append(calls["ref"].ms)
+        ref_walls.append(calls["ref"].wall_ms)
+        events.append(calls["cand"].ms)
+        walls.append(calls["cand"].wall_ms)
+        verify(j, calls["cand"], f"timed call {i}", ref=calls["ref"].output)
         if i % block == block - 1 and _precise_enough(j, ref_ms, events):
             break
     return ref_ms, ref_walls, events, walls
@@ -1163,8 +1175,11 @@ def _roofline(j: Judge, cand_ms: float) -> float:
     fast = roof is not None and cand_ms < j.cfg.roofline_factor * roof
     if not fast and not (cand_ms > 0 and j.out.ref_ms / cand_ms > j.cfg.max_speedup_recheck):
         return cand_ms
-    times = [_candidate_ms(j, fresh_seed(), f"re-timed call {i}") for i in range(min(r.perf_n, 10))]
-    j.details["recheck_ms"] = _accepted_ms(j, [e for e, _ in times], [w for _, w in times])
+    times = []
+    for i in range(min(r.perf_n, 10)):
+        times.append(_candidate_ms(j, fresh_seed(), f"re-timed call {i}"))
+        verify(j, times[-1], f"re-timed call {i}")
+    j.details["recheck_ms"] = _accepted_ms(j, [c.ms for c in times], [c.wall_ms for c in times])
     cand_ms = max(cand_ms, j.details["recheck_ms"])
     if roof is not None and cand_ms < j.cfg.roofline_factor * roof:
         j.hack("implausible_speedup", f"candidate {cand_ms:.4f} ms is below the memory roofline {roof:.4f} ms")
@@ -1269,21 +1284,36 @@ def _profile_rows(reply: dict) -> list[tuple[str, int, float]]:
     return rows
 
 
-def check_decoy(j: Judge, signed: bool) -> None:
-    """The candidate with every launch of its own Triton kernels made over an empty grid (compiled,
-    Triton's hooks run, logged as usual, nothing executes): still right means the kernels were not
-    needed for the output."""
+def check_needed(j: Judge, signed: bool) -> None:
+    """Per candidate kernel the data flow found needed, a counterfactual call in which its launches
+    read perturbed data (`drkernel.counterfactual`), on fresh inputs: an output still right means
+    the kernel's work was not needed (its share of the profile counts as not useful); with no
+    kernel needed, the candidate is a decoy."""
     if not j.cfg.require_triton:
         return
+    for name in sorted(k for k, n in j.flow.needed.items() if n and k not in j.flow.unneeded):
+        if _right_without(j, name, signed) is True:
+            j.flow.unneeded.add(name)
+    j.details["unneeded_kernels"] = sorted(j.flow.unneeded)
+    if j.flow.launches and not any(n for k, n in j.flow.needed.items() if k not in j.flow.unneeded):
+        j.hack("decoy_kernel", f"the output is still correct when what the candidate's kernels "
+                               f"({', '.join(sorted(j.flow.launches))[:200]}) read is perturbed")
+
+
+def _right_without(j: Judge, kernel: str, signed: bool) -> bool | None:
+    """Whether the candidate's output is still right when `kernel`'s launches read perturbed data;
+    None where this call did not launch it (a forward that picks its kernels by the data says
+    nothing here about the one it did not pick)."""
     with _shared(j.ref):
         try:
-            c = call_candidate(j, fresh_seed(), "noop", signed=signed, keep=True)
+            c = call_candidate(j, fresh_seed(), "check", signed=signed, keep=True, perturb=(kernel,))
         except Stop:
-            return  # it failed without its kernels: they were needed
-        ok = c.output is not None and compare.compare(
+            return False  # it failed: the kernel's work was needed
+        _findings(j, c.reply)
+        if kernel not in _own_kernels(j, c.reply.get("kernels")):
+            return None
+        return c.output is not None and compare.compare(
             c.output, run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed), j.cfg).ok
-    if ok:
-        j.hack("decoy_kernel", "the output is still correct with every candidate Triton launch skipped")
 
 
 def final(j: Judge) -> None:

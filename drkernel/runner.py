@@ -9,8 +9,8 @@ one socket and sees the judge's arena (inputs and output slots, `drkernel.ipc`).
    installed and the integrity snapshot taken; `null` calls (a trusted stand-in forward) let the
    judge calibrate its clock against this process before any candidate code exists;
 4. `load`: the candidate imported and `ModelNew(*get_init_inputs())` built under the reference's seed;
-5. `call` (modes check / warm / time / noop / profile), `final`: forward on the inputs the judge
-   wrote, under the call's seed (as the judge runs the reference), the output committed into the
+5. `call` (modes check / warm / time / profile; a checked call may name kernels whose launches read
+   perturbed data, `drkernel.counterfactual`), `final`: forward on the inputs the judge wrote, under the call's seed (as the judge runs the reference), the output committed into the
    judge's slots, and facts sent back (a profiled call's kernel trace among them).
 
 Every reply echoes the request's nonce and carries a digest of this process's evidence machinery
@@ -36,7 +36,8 @@ import time
 import traceback
 from typing import Any
 
-from drkernel import channel, compare, confine, dataflow, integrity, ipc, launch_pattern, profiling
+from drkernel import (channel, compare, confine, counterfactual, dataflow, integrity, ipc, launch_pattern, profiling,
+                      triton_source)
 from drkernel.channel import evidence_digest
 
 _perf = time.perf_counter  # bound before any candidate code exists
@@ -119,16 +120,17 @@ def _launch_argument_types() -> ArgumentTypes:
 class LaunchRecorder:
     """Wraps Triton's launch entry points for the candidate's own kernels. Per call it records the
     real launches (a launch over an empty grid runs nothing and is no launch) and, when a data-flow
-    log is attached, their tensor arguments by parameter. In noop mode each launch is made with an
-    empty grid: the kernel is compiled and Triton's hooks run, but no program executes; it is
-    recorded and logged as it would be otherwise, so that the log does not tell the modes apart."""
+    log is attached, their tensor arguments by parameter. The launches of kernels named in
+    `perturb` read perturbed data (`drkernel.counterfactual`); they are recorded and logged as
+    they would be otherwise."""
 
     def __init__(self, candidate_file: str):
         self.candidate_file = os.path.realpath(candidate_file)
         # (kernel, grid, arguments by parameter); it also keeps the launched tensors alive until the
         # call ends (a freed kernel buffer cannot be handed to a torch-made output)
         self.launches: list[tuple[str, tuple, dict]] = []
-        self.noop = False
+        self.perturb: frozenset[str] = frozenset()
+        self.kernels = _source_kernels(self.candidate_file)  # what each kernel reads and writes, by its text
         self.track_changes = False  # where a launch changed its arguments (`dataflow.block_sums`)
         self.flow: dataflow.FlowLog | None = None
         self.expected_stream: Any = None
@@ -180,10 +182,13 @@ class LaunchRecorder:
         real = bool(grid) and all(g > 0 for g in grid)
         if self.flow is not None:
             self.flow.paused += 1  # Triton's interpreter moves its arguments (and checksums run) with torch ops
+        name = kernel.fn.__code__.co_name
         try:
-            before = self._sums(bound) if real and self.track_changes else None
-            ret = orig(kernel, *args, grid=grid if not self.noop else (0,) * len(grid), warmup=False, **kwargs)
-            changed = self._changes(before) if before is not None else None
+            with (counterfactual.perturbed(bound, self.kernels.get(name)) if real and name in self.perturb
+                  else contextlib.nullcontext()):
+                before = self._sums(bound) if real and self.track_changes else None
+                ret = orig(kernel, *args, grid=grid, warmup=False, **kwargs)
+                changed = self._changes(before) if before is not None else None
         finally:
             if self.flow is not None:
                 self.flow.paused -= 1
@@ -244,13 +249,14 @@ class LaunchRecorder:
         if self.flow is not None:
             self.flow.launch(name, ts, changed)
 
-    def begin(self, noop: bool = False, flow: dataflow.FlowLog | None = None, track_changes: bool = False) -> None:
-        self.launches, self.noop, self.flow = [], noop, flow
+    def begin(self, flow: dataflow.FlowLog | None = None, track_changes: bool = False,
+              perturb: frozenset[str] = frozenset()) -> None:
+        self.launches, self.flow, self.perturb = [], flow, perturb if flow is not None else frozenset()
         self.track_changes = flow is not None and track_changes
 
     def end(self) -> list[tuple[str, tuple, dict]]:
         launches = self.launches
-        self.launches, self.noop, self.flow, self.track_changes = [], False, None, False
+        self.launches, self.perturb, self.flow, self.track_changes = [], frozenset(), None, False
         return launches
 
 
@@ -354,10 +360,10 @@ class Runner:
         if mode == "null":
             self.null = self.null or _NullForward(self.slots)
         forward = self.null if mode == "null" else self.model
-        flow = dataflow.FlowLog(self.keys) if mode in ("check", "noop") else None
+        flow = dataflow.FlowLog(self.keys) if mode == "check" else None
         for g in self.generators:  # as the judge seeds the reference's forward; `torch.manual_seed`
             g.manual_seed(int(msg["seed"]))  # would also call backends a candidate can register
-        self.recorder.begin(noop=mode == "noop", flow=flow, track_changes=bool(msg.get("changes")))
+        self.recorder.begin(flow, bool(msg.get("changes")), frozenset(map(str, msg.get("perturb") or ())))
         self.last_launches = ([], [])
         rows = None
         t0 = _perf()
@@ -502,6 +508,15 @@ _RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "stru
 _RECORDER_FIXED = ("candidate_file", "argument_types", "_mine", "_signatures", "installed", "expected_stream", "originals")
 
 
+def _source_kernels(path: str) -> dict[str, triton_source.Kernel]:
+    """The candidate's kernels as its text declares them (none where it cannot be read)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return triton_source.jit_kernels(fh.read())
+    except (OSError, ValueError):
+        return {}
+
+
 def _describe_objects(objects: dict[str, tuple[Any, tuple[str, ...]]]) -> str:
     """Each object's class, attribute names and the identities of its `fixed` attributes."""
     parts = []
@@ -533,9 +548,11 @@ def _forward(forward, inputs: list, flow: dataflow.FlowLog | None):
 
 def _evidence_machinery() -> dict[str, tuple[Any, str]]:
     """(owner, attribute) of every function and class the evidence depends on: this module's,
-    the data-flow log's, the integrity checks', the profiler summary's and the comparisons'."""
+    the data-flow log's and the counterfactual's, the integrity checks', the profiler summary's and
+    the comparisons'."""
     out: dict[str, tuple[Any, str]] = {}
-    for mod in (sys.modules[__name__], channel, compare, ipc, integrity, dataflow, launch_pattern, profiling, confine):
+    for mod in (sys.modules[__name__], channel, compare, ipc, integrity, dataflow, counterfactual, launch_pattern,
+                profiling, confine):
         for k, v in vars(mod).items():
             if callable(v) and not k.startswith("__"):
                 out[f"{mod.__name__}.{k}"] = (mod, k)

@@ -6,7 +6,7 @@ or `@triton.heuristics`, or wrapped as `k = triton.jit(f)`) in the source the ju
 For each such kernel the parameters it may write through are found from its body: the pointer
 operand of every `store` / `atomic_*` call (and of a descriptor's `.store`), followed back through
 local assignments to the parameters; a parameter handed to another (helper) function may be
-written too. Every name a pointer expression mentions counts, so that the data flow built on it
+written too. The parameters it may read through are found the same way (`load`, `atomic_*`). Every name a pointer expression mentions counts, so that the data flow built on it
 (`drkernel.dataflow`) never misses a kernel's write.
 """
 
@@ -24,6 +24,7 @@ class Kernel:
     name: str
     params: tuple[str, ...]
     stores: frozenset[str]  # parameters the kernel may write through
+    loads: frozenset[str] = frozenset()  # parameters the kernel may read through
 
 
 def jit_kernels(source: str) -> dict[str, Kernel]:
@@ -160,13 +161,16 @@ def _resolve(names: set[str], aliases: dict[str, set[str]], params: tuple[str, .
     return seen & set(params)
 
 
-def _write_operands(call: ast.Call, tl_names: set[str]) -> list[ast.AST] | None:
-    """The expressions a call may write through: the pointer of a store or atomic, the object of
-    a descriptor's `.store`, every argument of a call to a non-Triton function (a helper); None
-    for calls that write nothing (Triton's language functions, builtins)."""
+def _operands(call: ast.Call, tl_names: set[str], verb: str) -> list[ast.AST] | None:
+    """The expressions a call may `verb` ("store" or "load") through: the pointer of a store, load
+    or atomic, the object of a descriptor's `.store`/`.load`, every argument of a call to a
+    non-Triton function (a helper); None for calls that touch no memory (Triton's language
+    functions, builtins)."""
     name = dotted(call.func)
     last, root = name.rsplit(".", 1)[-1], name.split(".")[0]
-    if last == "store" or last.startswith("atomic_") or last.endswith("_store"):
+    if last in ("store", "load") or last.startswith("atomic_") or last.endswith(("_store", "_load")):
+        if last != verb and not last.endswith("_" + verb) and not last.startswith("atomic_"):
+            return []
         pointer = call.args[0] if call.args else next((k.value for k in call.keywords
                                                         if k.arg in ("pointer", "ptr", "desc")), None)
         own = call.func.value if isinstance(call.func, ast.Attribute) and root not in tl_names else None
@@ -179,9 +183,9 @@ def _write_operands(call: ast.Call, tl_names: set[str]) -> list[ast.AST] | None:
 def _kernel(fn: ast.FunctionDef | ast.AsyncFunctionDef, tl_names: set[str]) -> Kernel:
     params = tuple(a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs))
     aliases = _aliases(fn)
-    stores: set[str] = set()
+    found: dict[str, set[str]] = {"store": set(), "load": set()}
     for call in (n for n in ast.walk(fn) if isinstance(n, ast.Call)):
-        operands = _write_operands(call, tl_names)
-        for operand in operands or ():
-            stores |= _resolve(_names(operand), aliases, params)
-    return Kernel(name=fn.name, params=params, stores=frozenset(stores))
+        for verb, params_found in found.items():
+            for operand in _operands(call, tl_names, verb) or ():
+                params_found |= _resolve(_names(operand), aliases, params)
+    return Kernel(name=fn.name, params=params, stores=frozenset(found["store"]), loads=frozenset(found["load"]))

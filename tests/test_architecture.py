@@ -10,7 +10,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "drkernel"
 # bottom to top
 ORDER = (
     "procfs", "ipc", "jsonl", "tasks", "triton_source", "compare_kernels", "gpushare", "profiling",
-    "advantages", "loss", "metrics", "config", "modeling", "evaltypes", "compare", "dataflow", "launch_pattern", "gpumemory",
+    "advantages", "loss", "metrics", "config", "modeling", "evaltypes", "compare", "dataflow", "counterfactual", "launch_pattern",
+    "gpumemory",
     "confine", "channel", "integrity", "sandbox", "runner", "judge", "evalcache", "rewards", "evaluator",
     "prompts", "layouts", "report", "generation", "api_policy", "mismatch", "stts", "rollout", "runtime",
     "sft_data", "sft", "trainer",

@@ -114,9 +114,6 @@ def fill_kernel(y_ptr, flag_ptr, n, BLOCK: tl.constexpr):
 """
 
 
-@pytest.mark.xfail(strict=True, reason="open gap (docs/security.md): the data flow is structural; a kernel "
-                                       "result that arithmetic cancels, or that torch overwrites in parts, "
-                                       "still counts as needed")
 @pytest.mark.parametrize("body", [
     "y = torch.full_like(x, float('nan'))\nrelu_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)\n"
     "return torch.relu(x) + 0.0 * y",
@@ -128,6 +125,17 @@ def fill_kernel(y_ptr, flag_ptr, n, BLOCK: tl.constexpr):
 ], ids=["plus_zero_times", "times_flag", "overwritten_in_halves"])
 def test_a_kernel_result_the_output_does_not_really_need_is_a_decoy(body):
     assert_hack(run("1_ReLU.py", relu_candidate(body, extra=_NAN_SEEDED)), "decoy_kernel")
+
+
+def test_a_busy_kernel_beside_a_needed_one_counts_as_no_useful_time():
+    """The ReLU kernel's result is the output; the busy kernel's only reaches it as a flag of 1.0
+    (NaN until it runs, so the structural log calls it needed): its share of useful time is nil."""
+    body = ("flag = torch.full((1,), float('nan'))\nbusy_kernel[(triton.cdiv(x.numel(), 1024),)](x, "
+            "torch.empty_like(x), flag, x.numel(), BLOCK=1024)\nreturn launch(x) * flag")
+    r = run("1_ReLU.py", relu_candidate(body, extra=_NAN_SEEDED))
+    assert r.verdict == "correct", (r.verdict, r.error)
+    assert r.details["needed_fraction"] == {"busy_kernel": 0.0, "relu_kernel": 1.0}, r.details["needed_fraction"]
+    assert r.details["unneeded_kernels"] == ["busy_kernel"]
 
 
 def test_output_aliases_input():

@@ -195,7 +195,7 @@ def test_reference_slowed_rule(monkeypatch):
     alone once the GPU is idle, is fast again (what the candidate left running is gone); a
     host-bound reference whose own time moved with the host stays slow and is not a hack."""
     retimed = []
-    monkeypatch.setattr(judge, "_twin_ms", lambda r, seed: (retimed[0], retimed[0] + 0.2))
+    monkeypatch.setattr(judge, "_twin_ms", lambda r, seed: judge.Call({}, retimed[0] + 0.2, [], seed, ms=retimed[0]))
     j = _judge()
     j.ref.ref_alone_ms, j.out.ref_ms = 2.0, 2.5
     judge._check_reference_slowed(j)  # within 1.5x
@@ -220,10 +220,11 @@ def test_roofline_retimes_and_keeps_the_slower_median(monkeypatch):
     j = _judge()
     j.ref.io_bytes, j.ref.bandwidth, j.out.ref_ms, j.ref.perf_n = 4e9, 4e9, 2.0, 100  # roofline 1 ms
     j.ref.overhead_ms = 0.2
-    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label: (1.2, 1.5))
+    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label: judge.Call({}, 1.5, [], seed, ms=1.2))
+    monkeypatch.setattr(judge, "verify", lambda j, c, label: None)
     assert judge._roofline(j, 0.5) == pytest.approx(1.2)  # re-timed honestly: above the roofline
     assert not j.out.hacks
-    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label: (0.3, 0.5))
+    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label: judge.Call({}, 0.5, [], seed, ms=0.3))
     with pytest.raises(judge.Hacked):
         judge._roofline(j, 0.3)
     assert "implausible_speedup" in j.out.hacks

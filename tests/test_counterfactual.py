@@ -1,0 +1,87 @@
+"""The counterfactual launch's perturbation (`drkernel.counterfactual`), without a runner."""
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from drkernel.counterfactual import FACTOR, perturbed
+from drkernel.triton_source import Kernel
+
+KERNEL = Kernel(name="k", params=("x_ptr", "t_ptr", "out_ptr", "idx_ptr"), stores=frozenset({"t_ptr", "out_ptr"}),
+                loads=frozenset({"x_ptr", "t_ptr", "idx_ptr"}))
+
+
+def _args():
+    x = torch.randn(64)
+    x[:3] = torch.tensor([-0.0, 1e-42, float("inf")])  # a signed zero, a denormal, an infinity
+    return {"x_ptr": x, "t_ptr": torch.randn(64), "out_ptr": torch.randn(64), "idx_ptr": torch.arange(64)}
+
+
+def test_a_read_only_storage_is_perturbed_inside_and_restored_exactly():
+    args = _args()
+    before = {k: v.clone() for k, v in args.items()}
+    with perturbed(args, KERNEL):
+        assert torch.equal(args["x_ptr"], before["x_ptr"] * FACTOR)
+        assert torch.equal(args["out_ptr"], before["out_ptr"])  # only written: not the launch's input
+        assert torch.equal(args["idx_ptr"], before["idx_ptr"])  # integers are never perturbed
+    for k in args:
+        assert torch.equal(args[k].view(torch.uint8 if k != "idx_ptr" else args[k].dtype),
+                           before[k].view(torch.uint8 if k != "idx_ptr" else before[k].dtype)), k
+
+
+def test_a_read_and_written_storage_keeps_what_the_launch_wrote_and_nothing_else():
+    args = _args()
+    t0 = args["t_ptr"].clone()
+    with perturbed(args, KERNEL):
+        args["t_ptr"][:32] = args["t_ptr"][:32] + 1.0  # the "launch" writes half, from perturbed data
+    assert torch.equal(args["t_ptr"][:32], t0[:32] * FACTOR + 1.0)
+    assert torch.equal(args["t_ptr"][32:], t0[32:])
+
+
+def test_a_storage_passed_as_a_read_and_a_written_parameter_counts_as_written():
+    t = torch.randn(16)
+    args = {"x_ptr": t, "out_ptr": t}  # an in-place kernel through two parameters
+    t0 = t.clone()
+    with perturbed(args, KERNEL):
+        t[:8] = 7.0
+    assert torch.equal(t[:8], torch.full((8,), 7.0)) and torch.equal(t[8:], t0[8:])
+
+
+def test_a_strided_view_is_perturbed_through_its_storage_and_restored():
+    base = torch.randn(8, 8)
+    view, b0 = base[:, ::2], base.clone()
+    with perturbed({"x_ptr": view}, KERNEL):
+        assert torch.equal(base[:, ::2], b0[:, ::2] * FACTOR)
+    assert torch.equal(base, b0)
+
+
+def test_a_storage_reached_through_two_dtypes_is_left_alone():
+    raw = torch.randn(8)
+    raw0 = raw.clone()
+    with perturbed({"x_ptr": raw, "idx_ptr": raw.view(torch.int32)}, KERNEL):
+        assert torch.equal(raw, raw0)
+
+
+class _Seen(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_candidate_dispatch_mode_sees_no_perturbation():
+    args = _args()
+    with _Seen() as seen:
+        with perturbed(args, KERNEL):
+            pass
+    assert seen.ops == []
+
+
+def test_without_source_facts_every_float_argument_is_read_and_written():
+    args = _args()
+    out0 = args["out_ptr"].clone()
+    with perturbed(args, None):
+        assert torch.equal(args["out_ptr"], out0 * FACTOR)
+    assert torch.equal(args["out_ptr"], out0)
