@@ -7,13 +7,15 @@ over a kernel's result in pieces. A counterfactual call asks by value instead: e
 kernel reads perturbed data, everything else runs as in a checked call, and if the output still
 matches the reference, that kernel's work was not needed (`judge.check_needed`).
 
-Perturbed means every floating-point storage the launch may read scaled by -2 (a sign flip and a
-change of scale, so that neither an even nor a scale-invariant function hides it). A storage the
-launch only reads is scaled back after it, exactly (powers of two). A storage it reads and writes
-keeps what the launch wrote; every element the launch left as it found it gets its old value back
-from a copy. A storage it only writes is left alone: its old content is not the launch's input.
-Integer and boolean storages are never perturbed (indices out of range would fault the device),
-nor storages reached through two dtypes.
+Perturbed means: every floating-point storage the launch may read scaled by -2 or 4 in turn (a
+sign flip and a change of scale, different for two storages, so that neither an even, nor a
+scale-invariant, nor a ratio-only function hides it); every integer or boolean storage rolled by
+half its length (its values stay the same set: indices stay in range). A storage the launch only
+reads is put back after it, exactly (powers of two, or from a copy). A storage it reads and
+writes keeps what the launch wrote; every element the launch left as it found it gets its old
+value back from a copy. A storage it only writes is left alone: its old content is not the
+launch's input. Left alone too: a float storage with a value that is not finite or that scaling
+could overflow (it would not come back bit for bit), and a storage reached through two dtypes.
 """
 
 from __future__ import annotations
@@ -27,15 +29,44 @@ import torch
 from drkernel.dataflow import unobserved
 from drkernel.triton_source import Kernel
 
-FACTOR = -2.0
+FACTORS = (-2.0, 4.0)
 
 
 @dataclasses.dataclass
 class _Region:
-    """The elements of one storage that a launch's arguments span."""
+    """The elements of one storage that a launch's arguments span, and how they are perturbed:
+    `scale` for floats, `shift` (a roll) for the rest; `saved` is their old content where a copy
+    is needed to put it back."""
     flat: torch.Tensor
     written: bool
+    scale: float | None = None
+    shift: int | None = None
     saved: torch.Tensor | None = None
+
+    def perturb(self) -> None:
+        if self.written or self.shift is not None:
+            self.saved = self.flat.clone()
+        if self.shift is not None:
+            self.flat.copy_(self.saved.roll(self.shift))
+        else:
+            self.flat.mul_(self.scale)
+
+    def restore(self) -> None:
+        if not self.written:
+            if self.shift is not None:
+                self.flat.copy_(self.saved)
+            else:
+                self.flat.mul_(1 / self.scale)
+            return
+        # elements still as perturbed are the launch's to leave: their old values back (one mask
+        # beside the copy, so that a storage of several GB does not need three)
+        if self.shift is not None:
+            untouched = self.flat == self.saved.roll(self.shift)
+        else:  # scaled there and back in place: exact, the region's values are bounded
+            untouched = self.flat == self.saved.mul_(self.scale)
+            self.saved.mul_(1 / self.scale)
+        torch.where(untouched, self.saved, self.flat, out=self.saved)
+        self.flat.copy_(self.saved)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -47,8 +78,24 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi + 1
 
 
-def _perturbable(t: torch.Tensor) -> bool:
-    return t.is_floating_point() and t.element_size() >= 2 and t.numel() > 0
+def _region(tensors: list[torch.Tensor], written: bool, index: int) -> _Region | None:
+    """The perturbation of one storage, or None where it is left alone."""
+    t = tensors[0]
+    if len({x.dtype for x in tensors}) > 1 or t.is_complex() or t.element_size() < 2 and t.is_floating_point():
+        return None
+    spans = [_span(x) for x in tensors if x.numel()]
+    if not spans:
+        return None
+    lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+    flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,), (1,))
+    if not t.is_floating_point():
+        return _Region(flat, written, shift=(hi - lo) // 2)
+    scale = FACTORS[index % len(FACTORS)]
+    bound = torch.finfo(t.dtype).max / max(abs(f) for f in FACTORS)
+    lo, hi = torch.aminmax(flat)  # a reduction: no temporary of the storage's size; NaN fails both
+    if not (bool(lo >= -bound) and bool(hi <= bound)):
+        return None
+    return _Region(flat, written, scale=scale)
 
 
 def _regions(bound: dict, kernel: Kernel | None) -> list[_Region]:
@@ -62,35 +109,24 @@ def _regions(bound: dict, kernel: Kernel | None) -> list[_Region]:
             groups.setdefault(t.untyped_storage().data_ptr(), []).append((param, t))
     out = []
     for members in groups.values():
-        tensors = [t for _, t in members]
-        if not any(p in read for p, _ in members) or len({t.dtype for t in tensors}) > 1 \
-                or not all(map(_perturbable, tensors)):
-            continue
-        spans = [_span(t) for t in tensors]
-        lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
-        t = tensors[0]
-        flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,), (1,))
-        out.append(_Region(flat, written=any(p in written for p, _ in members)))
+        if any(p in read for p, _ in members):
+            region = _region([t for _, t in members], any(p in written for p, _ in members), len(out))
+            if region is not None:
+                out.append(region)
     return out
 
 
 @contextlib.contextmanager
 def perturbed(bound: dict, kernel: Kernel | None) -> Iterator[None]:
-    """Inside: the launch's readable storages scaled by FACTOR; after: put back as described above.
+    """Inside: the launch's readable storages perturbed; after: put back as described above.
     Candidate dispatch modes and tensor subclasses see none of it."""
     with unobserved():
         regions = _regions(bound, kernel)
         for r in regions:
-            if r.written:
-                r.saved = r.flat.clone()
-            r.flat.mul_(FACTOR)
+            r.perturb()
     try:
         yield
     finally:
         with unobserved():
             for r in reversed(regions):
-                if r.saved is None:
-                    r.flat.mul_(1 / FACTOR)
-                else:
-                    untouched = r.flat == r.saved * FACTOR
-                    r.flat.copy_(torch.where(untouched, r.saved, r.flat))
+                r.restore()

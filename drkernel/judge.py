@@ -818,25 +818,26 @@ def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, deg
 
 def check_correctness(j: Judge) -> None:
     """The trials in order, uniform then signed-normal inputs, with the counterfactual calls at a
-    random place among the last kind's, after the first trial (the kernels it launched are those
-    asked about): a candidate that answers differently when it guesses them fails trials as often."""
+    random place after the first trial (the kernels it launched are those asked about), on the
+    inputs of the trials before them: a candidate that answers differently when it guesses them
+    fails trials as often, and one that does less on one kind of inputs is asked on either."""
     n = j.cfg.trials
     n_signed = (2 if n >= 4 else 1) if j.cfg.second_distribution else 0
     seeds = j.ref.trial_seeds
     plan = [(seeds[i], False) for i in range(n)] + [(seeds[n + i], True) for i in range(n_signed)]
     pick = random.SystemRandom()
-    decoy_at = (n + pick.randrange(n_signed + 1)) if n_signed else 1 + pick.randrange(n)
+    decoy_at = 1 + pick.randrange(len(plan))
     # The degenerate check (two passes over multi-GB outputs) runs on every signed trial, where
     # trivial answers differ most from the reference, on one uniform trial the candidate cannot
     # predict, and on a failing trial (the last one).
     checked = set(range(n, n + n_signed)) | {pick.randrange(max(1, n))}
     for ti, (seed, signed) in enumerate(plan):
         if ti == decoy_at:
-            check_needed(j, signed=n_signed > 0)
+            check_needed(j, signed=decoy_at > n)
         with _shared(j.ref):
             _trial(j, ti, seed, signed, degenerate=ti in checked)
     if decoy_at == len(plan):
-        check_needed(j, signed=n_signed > 0)
+        check_needed(j, signed=decoy_at > n)
     j.details["launched_kernels"] = sorted(j.launched)
     j.details["needed_fraction"] = {k: round(v, 3) for k, v in j.flow.fractions().items()}
     j.mark("correctness")
@@ -1024,17 +1025,31 @@ def _deadlines_paused(r: Reference):
 # Timing
 # ======================================================================================
 
+# timed outputs (candidate's and twin's) held for one check at the end of a timing block, at most
+_HELD_OUTPUT_BYTES = 256 * 2**20
+
+
 def _candidate_ms(j: Judge, seed: int, label: str) -> Call:
-    """One timed candidate call, its output copied at the reply (the caller verifies it before
-    the runner's next request). Every timed call is verified, so
-    the pause the check makes tells the runner nothing: checking some calls only, it would learn
-    which were spent and skip work after. Its `ms` is set."""
+    """One timed candidate call, its output copied at the reply (the caller verifies it); its `ms`
+    is set. Every timed call is verified, so the pause the check makes tells the runner nothing:
+    checking some calls only, it would learn which were spent and skip work after."""
     c = call_candidate(j, seed, "time", keep=True)
+    _check_left_idle(j, label)
     if c.ms is None or "mismatch" in c.reply:
         raise Stop("runtime_error", f"{label}: no time or no output ({c.reply.get('mismatch', '')})")
     if j.cfg.require_triton and not _own_kernels(j, c.reply.get("kernels")):
         j.hack("no_triton_kernel", f"{label} launched no Triton kernel of the candidate's source")
     return c
+
+
+def _check_left_idle(j: Judge, label: str) -> None:
+    """The candidate's GPU work ends with its reply (its runner synchronizes before answering and
+    is stopped after): work still running would overlap the twin's timed call, and could write
+    the output slot the twin's answer is copied from."""
+    r = j.ref
+    if r.cuda and _probe_ms(r) > r.cfg.idle_probe_ms and not _wait_idle(r):
+        j.hack("side_stream", f"{label}: the candidate's GPU work was still running {r.cfg.idle_wait_s:g} s "
+                              "after its reply")
 
 
 def _accepted_ms(j: Judge, events: list[float], walls: list[float]) -> float:
@@ -1106,11 +1121,13 @@ def time_interleaved(j: Judge) -> None:
 
 def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[float]]:
     """(the reference's times, this clock's for them, the candidate's, this clock's for them).
-    Each candidate output is checked against the twin's for the same inputs once both exist,
-    before the runner's next request (no reference runs between the timed calls)."""
+    Every candidate output is checked against the twin's for the same inputs: small outputs at
+    the end of each block (the work between timed calls moves launch-bound times), larger ones
+    once both exist; always before the runner's next block. No reference runs in between."""
     r = j.ref
     block = max(1, min(j.cfg.timing_block_calls, r.perf_n))
-    ref_ms, ref_walls, events, walls = [], [], [], []
+    hold = block if 2 * block * _output_bytes(r) <= _HELD_OUTPUT_BYTES else 1
+    ref_ms, ref_walls, events, walls, held = [], [], [], [], []
     for i in range(r.perf_n):
         seed = fresh_seed()
         calls = {}
@@ -1120,10 +1137,24 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
         ref_walls.append(calls["ref"].wall_ms)
         events.append(calls["cand"].ms)
         walls.append(calls["cand"].wall_ms)
-        verify(j, calls["cand"], f"timed call {i}", ref=calls["ref"].output)
+        held.append((calls["cand"], calls["ref"].output, f"timed call {i}"))
+        if len(held) >= hold or i % block == block - 1:
+            _verify_held(j, held)
         if i % block == block - 1 and _precise_enough(j, ref_ms, events):
             break
+    _verify_held(j, held)
     return ref_ms, ref_walls, events, walls
+
+
+def _output_bytes(r: Reference) -> int:
+    return sum(v.numel() * v.element_size() for v in r.out_views)
+
+
+def _verify_held(j: Judge, held: list[tuple[Call, Any, str]]) -> None:
+    """Every held timed output against the twin's output for its inputs; the list is emptied."""
+    for c, ref, label in held:
+        verify(j, c, label, ref=ref)
+    held.clear()
 
 
 def _record_speed(j: Judge, ref_ms: list[float], ref_walls: list[float], events: list[float],
@@ -1285,35 +1316,46 @@ def _profile_rows(reply: dict) -> list[tuple[str, int, float]]:
 
 
 def check_needed(j: Judge, signed: bool) -> None:
-    """Per candidate kernel the data flow found needed, a counterfactual call in which its launches
-    read perturbed data (`drkernel.counterfactual`), on fresh inputs: an output still right means
-    the kernel's work was not needed (its share of the profile counts as not useful); with no
-    kernel needed, the candidate is a decoy."""
+    """Per candidate kernel the data flow found needed, and per kernel these calls launch beside
+    it, a counterfactual call in which its launches read perturbed data (`drkernel.counterfactual`),
+    on fresh inputs: an output still right means the kernel's work was not needed (its share of
+    the profile counts as not useful). A candidate whose output stayed right while no kernel's
+    counterfactual changed it is a decoy (a kernel a call did not launch says nothing about itself)."""
     if not j.cfg.require_triton:
         return
-    for name in sorted(k for k, n in j.flow.needed.items() if n and k not in j.flow.unneeded):
-        if _right_without(j, name, signed) is True:
+    todo = sorted(k for k, n in j.flow.needed.items() if n)
+    asked, needed, right_once = set(todo), False, False
+    while todo:
+        name = todo.pop(0)
+        right, launched = _right_without(j, name, signed)
+        if right and not launched:
+            j.hack("no_triton_kernel", "a checked call launched no Triton kernel of the candidate's source "
+                                       "over a non-empty grid and was right")
+        if right is None or (name in launched and not right):
+            needed = True
+        elif name in launched:
             j.flow.unneeded.add(name)
+        right_once |= bool(right)
+        todo += sorted(launched - asked)
+        asked |= launched
     j.details["unneeded_kernels"] = sorted(j.flow.unneeded)
-    if j.flow.launches and not any(n for k, n in j.flow.needed.items() if k not in j.flow.unneeded):
+    if right_once and not needed:
         j.hack("decoy_kernel", f"the output is still correct when what the candidate's kernels "
-                               f"({', '.join(sorted(j.flow.launches))[:200]}) read is perturbed")
+                               f"({', '.join(sorted(asked))[:200]}) read is perturbed")
 
 
-def _right_without(j: Judge, kernel: str, signed: bool) -> bool | None:
-    """Whether the candidate's output is still right when `kernel`'s launches read perturbed data;
-    None where this call did not launch it (a forward that picks its kernels by the data says
-    nothing here about the one it did not pick)."""
+def _right_without(j: Judge, kernel: str, signed: bool) -> tuple[bool | None, set[str]]:
+    """Whether the candidate's output is still right when `kernel`'s launches read perturbed data
+    (None where the call failed), and the candidate's kernels the call launched."""
     with _shared(j.ref):
         try:
             c = call_candidate(j, fresh_seed(), "check", signed=signed, keep=True, perturb=(kernel,))
         except Stop:
-            return False  # it failed: the kernel's work was needed
+            return None, set()
         _findings(j, c.reply)
-        if kernel not in _own_kernels(j, c.reply.get("kernels")):
-            return None
-        return c.output is not None and compare.compare(
+        right = c.output is not None and compare.compare(
             c.output, run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed), j.cfg).ok
+        return right, _own_kernels(j, c.reply.get("kernels"))
 
 
 def final(j: Judge) -> None:

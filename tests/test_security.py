@@ -190,6 +190,24 @@ def test_on_a_cpu_the_clock_allows_the_references_own_excess_unscaled():
     assert j.out.hacks == ["side_stream"]
 
 
+def test_gpu_work_left_running_after_a_timed_reply_is_a_hack(monkeypatch):
+    """A kernel still running once the candidate answered would overlap the twin's timed call (and
+    could write the slot the twin's output is copied from): the judge probes the GPU after every
+    timed call; a short wait is tolerated, work that never drains is `side_stream`."""
+    j = _judge()
+    probes = iter([0.01, 3.0])
+    monkeypatch.setattr(judge, "_probe_ms", lambda r: next(probes))
+    waited = []
+    monkeypatch.setattr(judge, "_wait_idle", lambda r: waited.append(1) or len(waited) < 2)
+    judge._check_left_idle(j, "timed call 0")  # idle at once
+    judge._check_left_idle(j, "timed call 1")  # busy, drained while waiting
+    assert not j.out.hacks and len(waited) == 1
+    monkeypatch.setattr(judge, "_probe_ms", lambda r: 3.0)
+    with pytest.raises(judge.Hacked):
+        judge._check_left_idle(j, "timed call 2")  # busy, never drains
+    assert j.out.hacks == ["side_stream"] and "after its reply" in j.details["hack_details"][-1]
+
+
 def test_reference_slowed_rule(monkeypatch):
     """Slower next to the candidate than alone before it: a hack only if the reference, re-timed
     alone once the GPU is idle, is fast again (what the candidate left running is gone); a
