@@ -78,41 +78,50 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi + 1
 
 
-def _region(tensors: list[torch.Tensor], written: bool, index: int) -> _Region | None:
-    """The perturbation of one storage, or None where it is left alone."""
+def _region(tensors: list[torch.Tensor], lo: int, hi: int, written: bool, index: int) -> _Region | None:
+    """The perturbation of elements `lo` to `hi` of the tensors' one storage, or None where they
+    are left alone."""
     t = tensors[0]
     if len({x.dtype for x in tensors}) > 1 or t.is_complex() or t.element_size() < 2 and t.is_floating_point():
         return None
-    spans = [_span(x) for x in tensors if x.numel()]
-    if not spans:
-        return None
-    lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
     flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,), (1,))
     if not t.is_floating_point():
         return _Region(flat, written, shift=(hi - lo) // 2)
-    scale = FACTORS[index % len(FACTORS)]
     bound = torch.finfo(t.dtype).max / max(abs(f) for f in FACTORS)
-    lo, hi = torch.aminmax(flat)  # a reduction: no temporary of the storage's size; NaN fails both
-    if not (bool(lo >= -bound) and bool(hi <= bound)):
+    low, high = torch.aminmax(flat)  # a reduction: no temporary of the storage's size; NaN fails both
+    if not (bool(low >= -bound) and bool(high <= bound)):
         return None
-    return _Region(flat, written, scale=scale)
+    return _Region(flat, written, scale=FACTORS[index % len(FACTORS)])
+
+
+def _intervals(members: list[tuple[str, torch.Tensor]]) -> list[tuple[int, int, list[tuple[str, torch.Tensor]]]]:
+    """The arguments on one storage, merged where their spans overlap (inputs side by side in the
+    judge's arena stay apart: the bytes between them are nobody's)."""
+    out: list[tuple[int, int, list]] = []
+    for lo, hi, param, t in sorted((*_span(t), p, t) for p, t in members if t.numel()):
+        if out and lo < out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi), out[-1][2] + [(param, t)])
+        else:
+            out.append((lo, hi, [(param, t)]))
+    return out
 
 
 def _regions(bound: dict, kernel: Kernel | None) -> list[_Region]:
-    """One region per storage that the launch may read, flagged where it may also write. Without
-    the kernel's source facts every tensor argument counts as read and written."""
+    """One region per storage span that the launch may read, flagged where it may also write.
+    Without the kernel's source facts every tensor argument counts as read and written."""
     read = set(bound) if kernel is None else kernel.loads | (set(kernel.params) - kernel.stores)
     written = set(bound) if kernel is None else kernel.stores
-    groups: dict[int, list[tuple[str, torch.Tensor]]] = {}
+    storages: dict[int, list[tuple[str, torch.Tensor]]] = {}
     for param, t in bound.items():
         if isinstance(t, torch.Tensor):
-            groups.setdefault(t.untyped_storage().data_ptr(), []).append((param, t))
+            storages.setdefault(t.untyped_storage().data_ptr(), []).append((param, t))
     out = []
-    for members in groups.values():
-        if any(p in read for p, _ in members):
-            region = _region([t for _, t in members], any(p in written for p, _ in members), len(out))
-            if region is not None:
-                out.append(region)
+    for members in storages.values():
+        for lo, hi, group in _intervals(members):
+            if any(p in read for p, _ in group):
+                region = _region([t for _, t in group], lo, hi, any(p in written for p, _ in group), len(out))
+                if region is not None:
+                    out.append(region)
     return out
 
 

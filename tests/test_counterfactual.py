@@ -95,3 +95,17 @@ def test_without_source_facts_every_argument_is_read_and_written():
     with perturbed(args, None):
         assert torch.equal(args["out_ptr"], out0 * FACTORS[0])  # the third storage of four
     assert torch.equal(args["out_ptr"], out0)
+
+
+def test_two_arguments_side_by_side_in_one_storage_are_perturbed_apart():
+    """Inputs in the judge's arena share one storage, with bytes between them that are nobody's
+    (here NaN): each is perturbed on its own, with its own factor."""
+    arena = torch.full((40,), float("nan"))
+    a, b = arena[0:16], arena[24:40]
+    a.copy_(torch.randn(16))
+    b.copy_(torch.randn(16))
+    a0, b0 = a.clone(), b.clone()
+    with perturbed({"x_ptr": a, "idx_ptr": b}, Kernel(name="k", params=("x_ptr", "idx_ptr"), stores=frozenset())):
+        assert torch.equal(a, a0 * FACTORS[0]) and torch.equal(b, b0 * FACTORS[1])
+        assert arena[16:24].isnan().all()
+    assert torch.equal(a, a0) and torch.equal(b, b0)
