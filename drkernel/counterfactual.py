@@ -7,15 +7,16 @@ over a kernel's result in pieces. A counterfactual call asks by value instead: e
 kernel reads perturbed data, everything else runs as in a checked call, and if the output still
 matches the reference, that kernel's work was not needed (`judge.check_needed`).
 
-Perturbed means: every floating-point storage the launch may read scaled by -2 or 4 in turn (a
-sign flip and a change of scale, different for two storages, so that neither an even, nor a
-scale-invariant, nor a ratio-only function hides it); every integer or boolean storage rolled by
-half its length (its values stay the same set: indices stay in range). A storage the launch only
-reads is put back after it, exactly (powers of two, or from a copy). A storage it reads and
-writes keeps what the launch wrote; every element the launch left as it found it gets its old
-value back from a copy. A storage it only writes is left alone: its old content is not the
-launch's input. Left alone too: a float storage with a value that is not finite or that scaling
-could overflow (it would not come back bit for bit), and a storage reached through two dtypes.
+Perturbed means: every floating-point range the launch may read multiplied element by element by
+-2 and 4 in turn (a sign flip and a change of scale that is not uniform, so that neither an even,
+nor a scale-invariant, nor a ratio-only function hides it); every integer or boolean range rolled
+by half its length (its values stay the same set: indices stay in range). A range is the bytes of
+one storage that overlapping arguments span: inputs side by side in the judge's arena are apart.
+A range the launch only reads is put back after it, exactly (powers of two, or from a copy). A
+range it reads and writes keeps what the launch wrote; every element the launch left as it found
+it gets its old value back from a copy. A range it only writes is left alone: its old content is
+not the launch's input. Left alone too: a float range holding a NaN or a finite value that the
+scaling could overflow (it would not come back bit for bit), and one reached through two dtypes.
 """
 
 from __future__ import annotations
@@ -29,17 +30,27 @@ import torch
 from drkernel.dataflow import unobserved
 from drkernel.triton_source import Kernel
 
-FACTORS = (-2.0, 4.0)
+FACTORS = (-2.0, 4.0)  # by element, in turn; powers of two, so that scaling back is exact
+_CHUNK = 1 << 24  # elements per step of the overflow check (its temporaries stay this small)
+
+
+def scale(flat: torch.Tensor, phase: int, inverse: bool = False) -> torch.Tensor:
+    """`flat` multiplied in place by FACTORS in turn, element 0 by FACTORS[phase], or by their
+    inverses."""
+    n = len(FACTORS)
+    for k in range(n):
+        f = FACTORS[(k + phase) % n]
+        flat[k::n].mul_(1 / f if inverse else f)
+    return flat
 
 
 @dataclasses.dataclass
 class _Region:
-    """The elements of one storage that a launch's arguments span, and how they are perturbed:
-    `scale` for floats, `shift` (a roll) for the rest; `saved` is their old content where a copy
-    is needed to put it back."""
+    """One range of a storage and how it is perturbed: `phase` of the float factors, or `shift` (a
+    roll) for the rest; `saved` is its old content where a copy is needed to put it back."""
     flat: torch.Tensor
     written: bool
-    scale: float | None = None
+    phase: int = 0
     shift: int | None = None
     saved: torch.Tensor | None = None
 
@@ -49,56 +60,66 @@ class _Region:
         if self.shift is not None:
             self.flat.copy_(self.saved.roll(self.shift))
         else:
-            self.flat.mul_(self.scale)
+            scale(self.flat, self.phase)
 
     def restore(self) -> None:
         if not self.written:
             if self.shift is not None:
                 self.flat.copy_(self.saved)
             else:
-                self.flat.mul_(1 / self.scale)
+                scale(self.flat, self.phase, inverse=True)
             return
         # elements still as perturbed are the launch's to leave: their old values back (one mask
         # beside the copy, so that a storage of several GB does not need three)
         if self.shift is not None:
             untouched = self.flat == self.saved.roll(self.shift)
-        else:  # scaled there and back in place: exact, the region's values are bounded
-            untouched = self.flat == self.saved.mul_(self.scale)
-            self.saved.mul_(1 / self.scale)
+        else:  # scaled there and back in place: exact, the range's values are bounded
+            untouched = self.flat == scale(self.saved, self.phase)
+            scale(self.saved, self.phase, inverse=True)
         torch.where(untouched, self.saved, self.flat, out=self.saved)
         self.flat.copy_(self.saved)
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """First and end element of `t` in its storage."""
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """First and end byte of `t` in its storage."""
     lo = hi = t.storage_offset()
     for size, stride in zip(t.shape, t.stride()):
         lo += min(0, (size - 1) * stride)
         hi += max(0, (size - 1) * stride)
-    return lo, hi + 1
+    return lo * t.element_size(), (hi + 1) * t.element_size()
 
 
-def _region(tensors: list[torch.Tensor], lo: int, hi: int, written: bool, index: int) -> _Region | None:
-    """The perturbation of elements `lo` to `hi` of the tensors' one storage, or None where they
-    are left alone."""
+def _scalable(flat: torch.Tensor) -> bool:
+    """No NaN, and no finite value the factors could overflow (infinities scale back exactly)."""
+    bound = torch.finfo(flat.dtype).max / max(abs(f) for f in FACTORS)
+    low, high = torch.aminmax(flat)  # a reduction, no temporary of the range's size; NaN fails both
+    if bool(low >= -bound) and bool(high <= bound):
+        return True
+    for start in range(0, flat.numel(), _CHUNK):
+        part = flat[start:start + _CHUNK]
+        if bool(part.isnan().any()) or bool(((part.abs() > bound) & part.isfinite()).any()):
+            return False
+    return True
+
+
+def _region(tensors: list[torch.Tensor], lo: int, hi: int, written: bool, phase: int) -> _Region | None:
+    """The perturbation of bytes `lo` to `hi` of the tensors' one storage, or None where they are
+    left alone."""
     t = tensors[0]
-    if len({x.dtype for x in tensors}) > 1 or t.is_complex() or t.element_size() < 2 and t.is_floating_point():
+    size = t.element_size()
+    if len({x.dtype for x in tensors}) > 1 or t.is_complex() or (size < 2 and t.is_floating_point()) \
+            or lo % size or hi % size:
         return None
-    flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,), (1,))
+    flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), lo // size, ((hi - lo) // size,), (1,))
     if not t.is_floating_point():
-        return _Region(flat, written, shift=(hi - lo) // 2)
-    bound = torch.finfo(t.dtype).max / max(abs(f) for f in FACTORS)
-    low, high = torch.aminmax(flat)  # a reduction: no temporary of the storage's size; NaN fails both
-    if not (bool(low >= -bound) and bool(high <= bound)):
-        return None
-    return _Region(flat, written, scale=FACTORS[index % len(FACTORS)])
+        return _Region(flat, written, shift=flat.numel() // 2)
+    return _Region(flat, written, phase=phase) if _scalable(flat) else None
 
 
-def _intervals(members: list[tuple[str, torch.Tensor]]) -> list[tuple[int, int, list[tuple[str, torch.Tensor]]]]:
-    """The arguments on one storage, merged where their spans overlap (inputs side by side in the
-    judge's arena stay apart: the bytes between them are nobody's)."""
+def _ranges(members: list[tuple[str, torch.Tensor]]) -> list[tuple[int, int, list[tuple[str, torch.Tensor]]]]:
+    """The arguments on one storage, merged where their bytes overlap."""
     out: list[tuple[int, int, list]] = []
-    for lo, hi, param, t in sorted((*_span(t), p, t) for p, t in members if t.numel()):
+    for lo, hi, param, t in sorted((*_byte_span(t), p, t) for p, t in members if t.numel()):
         if out and lo < out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], hi), out[-1][2] + [(param, t)])
         else:
@@ -107,8 +128,8 @@ def _intervals(members: list[tuple[str, torch.Tensor]]) -> list[tuple[int, int, 
 
 
 def _regions(bound: dict, kernel: Kernel | None) -> list[_Region]:
-    """One region per storage span that the launch may read, flagged where it may also write.
-    Without the kernel's source facts every tensor argument counts as read and written."""
+    """One region per range that the launch may read, flagged where it may also write. Without
+    the kernel's source facts every tensor argument counts as read and written."""
     read = set(bound) if kernel is None else kernel.loads | (set(kernel.params) - kernel.stores)
     written = set(bound) if kernel is None else kernel.stores
     storages: dict[int, list[tuple[str, torch.Tensor]]] = {}
@@ -117,7 +138,7 @@ def _regions(bound: dict, kernel: Kernel | None) -> list[_Region]:
             storages.setdefault(t.untyped_storage().data_ptr(), []).append((param, t))
     out = []
     for members in storages.values():
-        for lo, hi, group in _intervals(members):
+        for lo, hi, group in _ranges(members):
             if any(p in read for p, _ in group):
                 region = _region([t for _, t in group], lo, hi, any(p in written for p, _ in group), len(out))
                 if region is not None:
@@ -127,7 +148,7 @@ def _regions(bound: dict, kernel: Kernel | None) -> list[_Region]:
 
 @contextlib.contextmanager
 def perturbed(bound: dict, kernel: Kernel | None) -> Iterator[None]:
-    """Inside: the launch's readable storages perturbed; after: put back as described above.
+    """Inside: the launch's readable ranges perturbed; after: put back as described above.
     Candidate dispatch modes and tensor subclasses see none of it."""
     with unobserved():
         regions = _regions(bound, kernel)

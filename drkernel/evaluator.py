@@ -114,9 +114,9 @@ def _foreign_encoding(code: str) -> str | None:
     return f"coding declaration {encoding!r}: Python would read other code than this text"
 
 
-def _static_checks(cand_code: str, cfg: EvalConfig) -> EvalResult | None:
+def _static_checks(cand_code: str, cfg: EvalConfig, ref_path: str) -> EvalResult | None:
     """Verdicts the candidate's text alone decides: it must parse, define `ModelNew` and (where
-    Triton is required) define a `@triton.jit` kernel."""
+    Triton is required) define a `@triton.jit` kernel; then the static scan. One parse serves all."""
     import ast
 
     from drkernel.triton_source import jit_kernels, python_calls
@@ -130,14 +130,14 @@ def _static_checks(cand_code: str, cfg: EvalConfig) -> EvalResult | None:
         return EvalResult(verdict="compile_error", error=f"cannot parse candidate: {exc}")
     if not any(isinstance(n, ast.ClassDef) and n.name == "ModelNew" for n in ast.walk(tree)):
         return EvalResult(verdict="compile_error", error="no ModelNew defined in the candidate")
-    if cfg.require_triton and not jit_kernels(cand_code):
+    if cfg.require_triton and not jit_kernels(tree):
         return EvalResult(verdict="hacked", compiled=True, hacks=["no_triton_kernel"],
                           error="no_triton_kernel: the candidate's source defines no @triton.jit kernel")
-    calls = python_calls(cand_code)
+    calls = python_calls(cand_code, tree)
     if calls:
         return EvalResult(verdict="compile_error", error=f"a @triton.jit kernel calls Python that Triton cannot "
                                                          f"compile: {'; '.join(calls[:4])}")
-    return None
+    return _scan_verdict(tree, ref_path)
 
 
 def _sandbox_env(device: str) -> dict:
@@ -224,10 +224,10 @@ _PRELOAD = ("torch", "triton", "torch._dynamo", "torch.profiler", "drkernel.comp
 _JUDGE, _RUNNER, _PREFLIGHT = "drkernel.judge:evaluate", "drkernel.runner:main", "drkernel.runner:preflight"
 
 
-def _scan_verdict(cand_code: str, ref_path: str) -> EvalResult | None:
-    """`hacked` with every code the static scan finds, or None."""
+def _scan_verdict(tree: Any, ref_path: str) -> EvalResult | None:
+    """`hacked` with every code the static scan of the candidate's parsed tree finds, or None."""
     from drkernel import integrity
-    found = integrity.static_scan(cand_code, ref_path)
+    found = integrity.static_scan(tree, ref_path)
     if not found:
         return None
     codes = list(dict.fromkeys(c for c, _ in found))
@@ -247,7 +247,7 @@ class _Prepared:
         self.cand_path = os.path.join(self.dir, "candidate_" + text_digest(cand_code)[:12] + ".py")
         try:  # whatever a hostile text makes these checks raise (nesting too deep for Python's
             # parser, say) fails its own item, never the batch
-            self.early = _static_checks(cand_code, cfg) or _scan_verdict(cand_code, self.ref_path)
+            self.early = _static_checks(cand_code, cfg, self.ref_path)
         except Exception as exc:  # noqa: BLE001
             self.early = EvalResult(verdict="compile_error", error=f"cannot analyse candidate: {type(exc).__name__}")
         if self.early is not None:

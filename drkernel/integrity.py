@@ -55,10 +55,11 @@ _PATCH_STRINGS = {"torch.library", "Library", "_dispatch", "impl_abstract", "reg
                   "__torch_function__", "__torch_dispatch__", "settrace", "setprofile"}
 
 
-def static_scan(source: str, reference_path: str | None = None) -> list[tuple[str, str]]:
-    """Return (hack code, detail) findings for a candidate's source, each once. Never raises."""
+def static_scan(source: str | ast.AST, reference_path: str | None = None) -> list[tuple[str, str]]:
+    """Return (hack code, detail) findings for a candidate's source (a text, or its parsed tree),
+    each once. Never raises on a text."""
     try:
-        tree = ast.parse(source)
+        tree = source if isinstance(source, ast.AST) else ast.parse(source)
     except UNPARSABLE:  # the evaluator's own parse gives the verdict
         return []
     found: dict[tuple[str, str], None] = {}  # ordered and each once, in linear time

@@ -826,18 +826,18 @@ def check_correctness(j: Judge) -> None:
     seeds = j.ref.trial_seeds
     plan = [(seeds[i], False) for i in range(n)] + [(seeds[n + i], True) for i in range(n_signed)]
     pick = random.SystemRandom()
-    decoy_at = 1 + pick.randrange(len(plan))
+    counterfactual_at = 1 + pick.randrange(len(plan))
     # The degenerate check (two passes over multi-GB outputs) runs on every signed trial, where
     # trivial answers differ most from the reference, on one uniform trial the candidate cannot
     # predict, and on a failing trial (the last one).
     checked = set(range(n, n + n_signed)) | {pick.randrange(max(1, n))}
     for ti, (seed, signed) in enumerate(plan):
-        if ti == decoy_at:
-            check_needed(j, signed=decoy_at > n)
+        if ti == counterfactual_at:
+            check_needed(j, signed=counterfactual_at > n)
         with _shared(j.ref):
             _trial(j, ti, seed, signed, degenerate=ti in checked)
-    if decoy_at == len(plan):
-        check_needed(j, signed=decoy_at > n)
+    if counterfactual_at == len(plan):
+        check_needed(j, signed=counterfactual_at > n)
     j.details["launched_kernels"] = sorted(j.launched)
     j.details["needed_fraction"] = {k: round(v, 3) for k, v in j.flow.fractions().items()}
     j.mark("correctness")

@@ -27,10 +27,11 @@ class Kernel:
     loads: frozenset[str] = frozenset()  # parameters the kernel may read through
 
 
-def jit_kernels(source: str) -> dict[str, Kernel]:
-    """Every `jit` kernel of `source` by name; empty for source that does not parse."""
+def jit_kernels(source: str | ast.AST) -> dict[str, Kernel]:
+    """Every `jit` kernel of `source` (a text, or its parsed tree) by name; empty for text that
+    does not parse."""
     try:
-        tree = ast.parse(source)
+        tree = source if isinstance(source, ast.AST) else ast.parse(source)
     except UNPARSABLE:
         return {}
     defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -41,15 +42,16 @@ def jit_kernels(source: str) -> dict[str, Kernel]:
     return {n: _kernel(defs[n], tl_names) for n in sorted(names)}
 
 
-def python_calls(source: str) -> list[str]:
+def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     """Calls inside `jit` kernels to the file's own Python: a plain function or a module-level
     object (not a kernel, not decorated from Triton), or torch. A GPU compile refuses them; Triton's
-    interpreter runs them as Python, unseen by the data-flow log, which is paused inside a launch."""
+    interpreter runs them as Python, unseen by the data-flow log, which is paused inside a launch.
+    `tree`: the text's parsed tree, where the caller has it."""
     try:
-        tree = ast.parse(source)
+        tree = tree or ast.parse(source)
     except UNPARSABLE:
         return []
-    kernels = set(jit_kernels(source))
+    kernels = set(jit_kernels(tree))
     tl_names = _triton_aliases(tree)
     body = tree.body if isinstance(tree, ast.Module) else []
     python = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))

@@ -138,6 +138,19 @@ def test_a_busy_kernel_beside_a_needed_one_counts_as_no_useful_time():
     assert r.details["unneeded_kernels"] == ["busy_kernel"]
 
 
+@pytest.mark.parametrize("reference, candidate", [
+    ("cross_entropy_reference.py", "cross_entropy_kernel.py"),
+    ("l2norm_reference.py", "l2norm_output_first_kernel.py"),
+])
+def test_honest_kernels_the_counterfactual_must_see_change(reference, candidate):
+    """Inputs of two dtypes side by side in the arena; a scale-invariant kernel that loads another
+    storage first: each kernel's perturbed reads change the output, so none is unneeded."""
+    folder = ROOT / "tests" / "fixtures" / "counterfactual"
+    r = shared_evaluate(str(folder / reference), (folder / candidate).read_text(), cfg())
+    assert r.verdict == "correct", (r.verdict, r.error)
+    assert r.details["unneeded_kernels"] == [], r.details
+
+
 def test_output_aliases_input():
     body = """
     n = x.numel()

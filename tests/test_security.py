@@ -190,6 +190,27 @@ def test_on_a_cpu_the_clock_allows_the_references_own_excess_unscaled():
     assert j.out.hacks == ["side_stream"]
 
 
+@pytest.mark.parametrize("held_bytes, checks_after", [(2**30, [9, 19]), (0, list(range(20)))])
+def test_every_timed_output_is_checked_small_ones_at_block_ends(monkeypatch, held_bytes, checks_after):
+    """All 20 timed outputs are checked against the twin's: small ones together after each block of
+    ten pairs (no work between timed calls), larger ones after their own pair."""
+    import torch
+    j = _judge(device="cpu", timing_block_calls=10)
+    j.ref.perf_n, j.ref.out_views = 20, [torch.zeros(4)]
+    monkeypatch.setattr(judge, "_HELD_OUTPUT_BYTES", held_bytes)
+    log = []
+    monkeypatch.setattr(judge, "_twin_ms", lambda r, seed, keep: judge.Call({}, 1.2, [], seed, output=seed, ms=1.0))
+    monkeypatch.setattr(judge, "_candidate_ms",
+                        lambda j, seed, label: log.append(("call", label)) or judge.Call({}, 1.2, [], seed, output=seed, ms=1.0))
+    monkeypatch.setattr(judge, "verify", lambda j, c, label, ref: log.append(("check", label, c.output == ref)))
+    monkeypatch.setattr(judge, "_precise_enough", lambda j, ref_ms, cand_ms: False)
+    judge._timed_pairs(j)
+    checked = [entry[1] for entry in log if entry[0] == "check"]
+    assert checked == [f"timed call {i}" for i in range(20)] and all(e[2] for e in log if e[0] == "check")
+    after = [int(log[k - 1][1].split()[-1]) for k, e in enumerate(log) if e[0] == "check" and log[k - 1][0] == "call"]
+    assert after == checks_after
+
+
 def test_gpu_work_left_running_after_a_timed_reply_is_a_hack(monkeypatch):
     """A kernel still running once the candidate answered would overlap the twin's timed call (and
     could write the slot the twin's output is copied from): the judge probes the GPU after every
