@@ -33,13 +33,6 @@ from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
 from tests.fixtures.attacks import harness as attacks  # noqa: E402
 
 
-def check(expect: str, res) -> bool:
-    parts = expect.split()
-    if parts[0] == "hacked":
-        return res.verdict == "hacked" and (len(parts) == 1 or parts[1] in res.hacks)
-    return res.verdict == parts[0]
-
-
 def run_attacks(ev, only: str) -> list[dict]:
     """The attack fixtures (tests/fixtures/attacks): verdict, listener, leftovers."""
     rows = []
@@ -79,7 +72,7 @@ def main() -> None:
             ref = (BUNDLED_DIR / h["task"]).read_text()
             res = ev.evaluate(ref, f.read_text())
             rows.append(dict(file=f.name, device=h.get("device"), expect=h["expect"], verdict=res.verdict,
-                             hacks=res.hacks, ok=check(h["expect"], res), error=(res.error or "")[:160],
+                             hacks=res.hacks, ok=attacks.check(h["expect"], res), error=(res.error or "")[:160],
                              share=res.triton_time_share))
             print(json.dumps(rows[-1]), flush=True)
         rows += run_attacks(ev, args.only)

@@ -162,6 +162,7 @@ def test_bench_solution_correct_in_evaluator(sol, kb_tasks, cpu_evaluator, tmp_p
     source = sol.path.read_text()  # the output comes from this file's own @triton.jit kernels
     launched = res.details.get("launched_kernels") or []
     assert launched and all(f"def {name}(" in source for name in launched), launched
+    assert not res.details.get("unneeded_kernels"), res.details  # every kernel's counterfactual changed the output
 
 
 def test_kernelbench_eval_builds_flat_dirs_without_datasets(kernelbench_path, tmp_path, monkeypatch):
