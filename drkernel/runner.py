@@ -10,8 +10,9 @@ one socket and sees the judge's arena (inputs and output slots, `drkernel.ipc`).
    judge calibrate its clock against this process before any candidate code exists;
 4. `load`: the candidate imported and `ModelNew(*get_init_inputs())` built under the reference's seed;
 5. `call` (modes check / warm / time / profile; a checked call may name kernels whose launches read
-   perturbed data, `drkernel.counterfactual`), `final`: forward on the inputs the judge wrote, under the call's seed (as the judge runs the reference), the output committed into the
-   judge's slots, and facts sent back (a profiled call's kernel trace among them).
+   perturbed data, `drkernel.counterfactual`), `final`: forward on the inputs the judge wrote,
+   under the call's seed (as the judge runs the reference), the output committed into the judge's
+   slots, and facts sent back (a profiled call's kernel trace among them).
 
 Every reply echoes the request's nonce and carries a digest of this process's evidence machinery
 (launch hook, data-flow log, integrity checks) keyed by that nonce. Everything sent back is still

@@ -6,7 +6,8 @@ or `@triton.heuristics`, or wrapped as `k = triton.jit(f)`) in the source the ju
 For each such kernel the parameters it may write through are found from its body: the pointer
 operand of every `store` / `atomic_*` call (and of a descriptor's `.store`), followed back through
 local assignments to the parameters; a parameter handed to another (helper) function may be
-written too. The parameters it may read through are found the same way (`load`, `atomic_*`). Every name a pointer expression mentions counts, so that the data flow built on it
+written too. The parameters it may read through are found the same way (`load`, `atomic_*`).
+Every name a pointer expression mentions counts, so that the data flow built on it
 (`drkernel.dataflow`) never misses a kernel's write.
 """
 
