@@ -24,7 +24,9 @@ Layers, each recorded in a `Confinement` report (the judge copies it to
     priority, scheduling, CPU set or I/O priority (`prlimit64`, `setpriority`, `sched_set*`,
     `ioprio_set`) are refused (EPERM) unless they name this process; Landlock does not cover
     them, and a runner could otherwise blind the judge (its open-file limit) or slow the
-    reference and the other candidates of its job. Other architectures' calls are refused.
+    reference and the other candidates of its job. `io_uring_setup` is refused outright (a ring's
+    queued I/O runs in kernel workers, after the runner is stopped). Other architectures' calls
+    are refused.
 
 A mechanism the kernel lacks is reported as missing, never faked; `EvalConfig.require_confinement`
 decides whether the evaluation then runs.
@@ -244,6 +246,10 @@ _SECCOMP_ARCHES = {
                                   122: (0, None, 0), 274: (0, None, 0), 30: (1, 0, 1)}),
 }
 _SETAFFINITY = {"x86_64": 203, "aarch64": 122}  # sched_setaffinity
+# io_uring_setup: a ring's kernel workers carry out its queued I/O after the runner is stopped and
+# outside this filter. Without setup no ring exists (none is made before confinement), and
+# io_uring_enter and io_uring_register act on a ring's descriptor only: refusing setup suffices
+_IO_URING_SETUP = {"x86_64": 425, "aarch64": 425}
 _ALLOW, _EPERM = 0x7FFF0000, 0x00050001  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
 _LD, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
 
@@ -282,12 +288,13 @@ def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int,
 
 def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:
     import platform
-    arch = _SECCOMP_ARCHES.get(platform.machine())
+    machine = platform.machine()
+    arch = _SECCOMP_ARCHES.get(machine)
     if arch is None:
-        report.errors.append(f"seccomp: no syscall table for {platform.machine()}")
+        report.errors.append(f"seccomp: no syscall table for {machine}")
         return
     audit, sys_seccomp, guarded = arch
-    denied = (_SETAFFINITY[platform.machine()],) if fixed_cores else ()
+    denied = (_IO_URING_SETUP[machine], *((_SETAFFINITY[machine],) if fixed_cores else ()))
     prog = _own_process_program(audit, guarded, os.getpid(), denied)
     filters = (_SockFilter * len(prog))(*[_SockFilter(c, jt, jf, k) for c, jt, jf, k in prog])
     fprog = _SockFprog(len(prog), filters)

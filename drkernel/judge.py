@@ -30,11 +30,13 @@ Then per candidate (`Judge`), in order:
    times count only when they agree with this process's clock, and every call's output is
    checked before the next request;
 10. `profile`: the runner's kernel trace, classified here by the kernels the candidate's source
-   declares and weighed by the data flow (the Triton share of useful device time);
+   declares and weighed by the data flow (the Triton share of useful device time); one profiled
+   call on signed inputs, and the candidate's kernels must do the same work on both kinds;
 11. `final`: the runner's last integrity report; the runner is then killed.
 
-Every input is drawn from a fresh seed (`fresh_seed`); after each candidate call no process of
-the candidate's may be left and the scheduling of the job's processes must be as it was.
+Every input is drawn from a fresh seed (`fresh_seed`), the forward's RNG seeded from a keyed hash
+of it (`forward_seed`); after each candidate call no process of the candidate's may be left and
+the scheduling of the job's processes must be as it was.
 
 On a GPU shared by several evaluations (`gpushare.DeviceLock`) the phases in a tuple of `GROUP`
 and `CANDIDATE` run in one hold of the GPU alone, which starts only once the GPU is idle; every
@@ -48,9 +50,11 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import hashlib
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import time
@@ -73,6 +77,7 @@ class Call:
     wall_ms: float
     inputs: list
     seed: int
+    signed: bool = False  # the inputs' kind: signed normals, or KernelBench's own
     output: Any = None
     ms: float | None = None  # the runner's own time for the call, where it sent a number
     before_s: float = 0.0  # the judge's seconds before the request (inputs, poison, flush)
@@ -102,6 +107,7 @@ class Reference:
     details: dict = dataclasses.field(default_factory=dict)  # the group's own, copied into each result
     device: Any = None
     seed: int = 0
+    forward_key: bytes = b""  # keys `forward_seed`; made in this process, after the runners were forked
     perf_n: int = 1
     ref_mod: Any = None
     template: Any = None
@@ -202,9 +208,17 @@ class Judge:
 # ======================================================================================
 
 def fresh_seed() -> int:
-    """The seed of one call's inputs, drawn from the OS: a candidate that learns one call's seed
-    (the runner seeds its RNG with it) cannot predict another call's inputs or tell its kind."""
+    """The seed of one call's inputs, drawn from the OS: a candidate cannot predict a call's
+    inputs from another's."""
     return random.SystemRandom().randrange(1, 2**31)
+
+
+def forward_seed(r: Reference, seed: int) -> int:
+    """The RNG seed of the forward on the inputs drawn from `seed` (the reference's here, the
+    runner's through its request): a keyed hash, so a candidate that reads its RNG's seed cannot
+    draw its inputs again and, comparing, tell KernelBench's kind of inputs from the judge's."""
+    digest = hashlib.blake2b(seed.to_bytes(8, "little"), key=r.forward_key, digest_size=4).digest()
+    return int.from_bytes(digest, "little") % 2**31
 
 
 def _sync(device) -> None:
@@ -263,7 +277,7 @@ def run_reference(r: Reference, inputs: list, seed: int):
     import torch
     with _reference_fails("the reference failed"), torch.no_grad():
         model = copy.deepcopy(r.template)
-        torch.manual_seed(seed)
+        torch.manual_seed(forward_seed(r, seed))
         out = model(*inputs)
         _sync(r.device)
     return out
@@ -330,15 +344,15 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
     _sync(r.device)
     t0 = _perf()
     # on signed inputs a checked call also says where each launch changed its arguments (`dataflow`)
-    request = {"op": "call", "mode": mode, "seed": seed}
+    request = {"op": "call", "mode": mode, "seed": forward_seed(r, seed)}
     if mode == "check":
         request.update(changes=signed, perturb=list(perturb))
     reply = channel.ask(request)
     t1 = _perf()
     if "error" in reply:
         raise runner_error(reply, "forward raised")
-    c = Call(reply=reply, wall_ms=(t1 - t0) * 1e3, inputs=inputs, seed=seed, ms=ipc.number(reply, "ms"),
-             before_s=t0 - start)
+    c = Call(reply=reply, wall_ms=(t1 - t0) * 1e3, inputs=inputs, seed=seed, signed=signed,
+             ms=ipc.number(reply, "ms"), before_s=t0 - start)
     if keep:
         c.output = _clone(committed(r, c))
         _sync(r.device)
@@ -464,8 +478,8 @@ def verify(j: Judge, c: Call, label: str, code: str = "output_cached", ref: Any 
     t = _perf()
     if ref is None:
         ref = run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed)
-    cmp = compare.compare(c.output, ref, j.cfg) if c.output is not None else compare.Match(
-        False, str(c.reply.get("mismatch")))
+    cmp = compare.compare(c.output, ref, j.cfg, finite_only=_finite_only(c.signed, ref)) \
+        if c.output is not None else compare.Match(False, str(c.reply.get("mismatch")))
     j.spend("verify", t)
     if not cmp.ok:
         j.hack(code, f"{label}: the output is stale or wrong for its fresh inputs ({cmp.why})")
@@ -485,6 +499,7 @@ def setup(r: Reference) -> None:
             r.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(r.device)
     r.seed = r.cfg.seed  # the weights' seed; every call's inputs get a `fresh_seed`
+    r.forward_key = secrets.token_bytes(16)
     r.trial_seeds = [fresh_seed() for _ in range(r.cfg.trials + 2)]  # shared by the group (cached outputs)
     r.perf_n = r.cfg.perf_trials if r.cuda else r.cfg.cpu_perf_trials
     _init_runner(r, r.twin, os.path.join(r.twin.dir, "reference.py"))  # CUDA starts there meanwhile
@@ -855,12 +870,16 @@ def _trial(j: Judge, ti: int, seed: int, signed: bool, degenerate: bool) -> None
     j.raise_hacks()
     if j.cfg.require_triton:
         _judge_flow(j, ti, c.reply.get("flow"), _own_kernels(j, c.reply.get("kernels")), c.reply.get("launches"))
-    # signed inputs may leave the reference's domain (a log, a square root): judged where it is finite
-    finite_only = signed and not all(compare.all_finite(x) for x in compare.tensors(ref) if x.is_floating_point())
     if "mismatch" in c.reply:
         j.raise_hacks()
         raise Stop("incorrect", f"trial {ti}: {str(c.reply['mismatch'])[:400]}")
-    _judge_values(j, ti, signed, c.output, ref, c.inputs, degenerate, finite_only)
+    _judge_values(j, ti, signed, c.output, ref, c.inputs, degenerate, _finite_only(signed, ref))
+
+
+def _finite_only(signed: bool, ref) -> bool:
+    """Signed inputs may leave the reference's domain (a log, a square root): such an output is
+    judged where the reference's is finite."""
+    return signed and not all(compare.all_finite(x) for x in compare.tensors(ref) if x.is_floating_point())
 
 
 # ======================================================================================
@@ -1223,24 +1242,26 @@ def _roofline(j: Judge, cand_ms: float) -> float:
 
 def profile(j: Judge) -> None:
     """The share of device time in the candidate's own Triton kernels that do work the output
-    needs, from `_PROFILED_CALLS` calls on fresh inputs, each verified like a checked call (a
-    candidate that answers otherwise under the profiler is caught). The runner's kernel traces are
+    needs, from `_PROFILED_CALLS` calls on fresh inputs of both kinds, each verified like a checked
+    call (a candidate that answers otherwise under the profiler is caught). The runner's kernel traces are
     classified here, by the kernels the candidate's source declares, and believed only as far as
     the judge can check them (`_profile_doubt`)."""
     r = j.ref
     if not (r.cuda and j.cfg.profile):
         j.mark("profiling")
         return
-    rows, wall_ms = [], 0.0
+    rows, wall_ms, own_us = [], 0.0, []
     try:
-        for i in range(_PROFILED_CALLS):
-            call_rows, call_ms = _profiled_call(j, i)
+        for i, signed in enumerate(_profiled_kinds(j)):
+            call_rows, call_ms = _profiled_call(j, i, signed)
             rows, wall_ms = rows + call_rows, wall_ms + call_ms
+            own_us.append((signed, sum(max(us, 0.0) for name, _, us in call_rows if name.strip() in j.kernels)))
     except Stop as err:  # the profiler failed, or the candidate under it: no share
         j.details["profile_error"] = err.error[:300]
         rows = []
-    if rows:
-        _timed_calls_ran_them(j, rows)  # it can only cost the candidate: also where the traces are doubted
+    if rows:  # these can only cost the candidate: also where the traces are doubted
+        _timed_calls_ran_them(j, [us for _, us in own_us])
+        _same_work_on_both_kinds(j, own_us)
         summary = profiling.summarize_kernels(rows, set(j.kernels), j.flow.fractions())
         doubt = _profile_doubt(j, summary, rows, wall_ms)
         if doubt:
@@ -1252,13 +1273,26 @@ def profile(j: Judge) -> None:
 
 
 _PROFILED_CALLS = 3
+# An honest kernel's device time hardly depends on its input values; the profiler's times of
+# microsecond kernels move by microseconds
+_KIND_WORK_RATIO = 1.5
+_KIND_WORK_SLACK_US = 20.0
 
 
-def _profiled_call(j: Judge, i: int) -> tuple[list[tuple[str, int, float]], float]:
+def _profiled_kinds(j: Judge) -> list[bool]:
+    """Which profiled calls get signed-normal inputs: one, at a random place, where the trials have
+    them (the others get KernelBench's kind, as the timed calls do)."""
+    kinds = [False] * _PROFILED_CALLS
+    if j.cfg.second_distribution:
+        kinds[random.SystemRandom().randrange(_PROFILED_CALLS)] = True
+    return kinds
+
+
+def _profiled_call(j: Judge, i: int, signed: bool) -> tuple[list[tuple[str, int, float]], float]:
     """One verified call under the profiler: its kernel rows and the judge's milliseconds. Its
     inputs and output copy die here, before the next call draws new ones (at full KernelBench
     sizes one more such pair is what a GPU lacks)."""
-    c = call_candidate(j, fresh_seed(), "profile", keep=True)
+    c = call_candidate(j, fresh_seed(), "profile", signed=signed, keep=True)
     verify(j, c, f"profiled call {i}")
     rows = _profile_rows(c.reply)
     _launches_ran(j, rows, i)
@@ -1270,9 +1304,7 @@ def _launches_ran(j: Judge, rows: list[tuple[str, int, float]], i: int) -> None:
     candidate's kernels that the device never ran was recorded by candidate code, not by Triton."""
     if not rows:
         return
-    ran: dict[str, int] = {}
-    for name, calls, _ in rows:
-        ran[name.strip()] = ran.get(name.strip(), 0) + calls
+    ran = profiling.launches_by_name(rows)
     for name, n in j.last_launches.items():
         if name in j.kernels and ran.get(name, 0) < n:
             j.hack("forged_reply", f"profiled call {i}: {n} launch(es) of {name} recorded, {ran.get(name, 0)} ran "
@@ -1284,23 +1316,35 @@ def _profile_doubt(j: Judge, summary: dict, rows: list[tuple[str, int, float]], 
     this clock, or a kernel of the candidate's launched more often a call than in any checked call."""
     if summary["total_device_ms"] > wall_ms:
         return f"the traces claim {summary['total_device_ms']:.3f} ms of device time in {wall_ms:.3f} ms"
-    for name, calls, _ in rows:
-        name = name.strip()
+    for name, calls in profiling.launches_by_name(rows).items():
         if name in j.kernels and calls > _PROFILED_CALLS * j.flow.most.get(name, 0):
             return f"{name} launched {calls} times in {_PROFILED_CALLS} profiled calls, at most " \
                    f"{j.flow.most.get(name, 0)} a checked call"
     return None
 
 
-def _timed_calls_ran_them(j: Judge, rows: list[tuple[str, int, float]]) -> None:
+def _timed_calls_ran_them(j: Judge, own_us: list[float]) -> None:
     """The candidate's own kernels took longer a profiled call (verified like a checked one, its
     launches on the device's trace) than its whole timed call: the timed calls did not run them,
     but less or something else (torch, where it guessed nobody checks). The margin is wide: the
     same flush and inputs precede both kinds of call."""
-    own_ms = sum(max(us, 0.0) for name, _, us in rows if name.strip() in j.kernels) / 1e3 / _PROFILED_CALLS
+    own_ms = sum(own_us) / 1e3 / len(own_us)
     if j.out.candidate_ms and own_ms > 1.5 * j.out.candidate_ms + j.cfg.clock_slack_ms:
         j.hack("launch_pattern_changed", f"the candidate's kernels took {own_ms:.4f} ms a profiled call, its whole "
                                          f"timed calls {j.out.candidate_ms:.4f} ms", stop=False)
+
+
+def _same_work_on_both_kinds(j: Judge, own_us: list[tuple[bool, float]]) -> None:
+    """The candidate's own kernels' device time a profiled call, on KernelBench's kind of inputs
+    against signed normals: a candidate that lets torch answer on the kind it expects no data flow
+    on (its kernels doing the work only on the other) shows it here."""
+    kinds = [[us for signed, us in own_us if signed == kind] for kind in (False, True)]
+    if not all(kinds):
+        return
+    lo, hi = sorted(median(k) for k in kinds)
+    if hi > _KIND_WORK_RATIO * lo + _KIND_WORK_SLACK_US:
+        j.hack("launch_pattern_changed", f"the candidate's kernels ran {hi:.1f} µs a profiled call on one kind of "
+                                         f"inputs, {lo:.1f} µs on the other", stop=False)
 
 
 def _profile_rows(reply: dict) -> list[tuple[str, int, float]]:

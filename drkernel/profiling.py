@@ -2,16 +2,17 @@
 paper's profiling-based reward, PR).
 
 The runner runs one forward under `torch.profiler` (`profile_cuda`), commits its output like any
-call's (the judge verifies it) and sends the raw kernel trace, one (name, launches, µs) row per device kernel name (memcpy/memset included). The
-judge classifies the rows (`summarize_kernels`) into
+call's (the judge verifies it) and sends the raw kernel trace, one (name, 1, µs) row per device
+kernel it ran (memcpy/memset included). The judge classifies the rows (`summarize_kernels`) into
 
 - `candidate`: kernels launched from the candidate's own `@triton.jit` functions, as the judge
   found them in the candidate's source text (`drkernel.triton_source`), never as the runner names them,
 - `library`:   cuBLAS/cuDNN/CUTLASS/ATen kernels, memcpy/memset,
 - `other`:     everything else (e.g. somebody else's Triton kernels, Inductor output),
 
-and weighs each candidate kernel's time by the fraction of its launches whose writes reach the
-output (`drkernel.dataflow`): a heavy kernel whose result nothing uses adds device time, not share.
+and counts, of each candidate kernel's time, only as many launches as the data flow found writing
+what the output needs (`drkernel.dataflow`), its shortest: a heavy launch whose result nothing
+uses adds device time, not share, even beside light needed launches of the same kernel.
 
 Name matching (deliberately strict; KernelGYM matched by substring, which lets torch's own kernels
 count as the candidate's when the names overlap, e.g. a candidate kernel called `gemm`):
@@ -72,7 +73,8 @@ def summarize_kernels(rows: list[tuple[str, int, float]], candidate_names: set[s
     """Split device time (µs) into candidate / library / other shares.
 
     `rows` are (kernel name, launches, total µs); `needed[name]` is the fraction of that candidate
-    kernel's launches whose writes reach the output (1 when `needed` is None). Returns
+    kernel's launches whose writes reach the output (1 when `needed` is None), counted as its
+    shortest launches (`_needed_us`). Returns
     `triton_time_share` (needed candidate time over all device time), `library_share`,
     `other_share` (None when the total is 0), `total_device_ms`, `num_launches` and `kernels`: the
     `top_k` kernels by total time, each `{name, kind, calls, total_ms, share}`.
@@ -80,7 +82,8 @@ def summarize_kernels(rows: list[tuple[str, int, float]], candidate_names: set[s
     names = {str(n).strip() for n in (candidate_names or ()) if n}
     per_kind = {"candidate": 0.0, "library": 0.0, "other": 0.0}
     per_name: dict[str, dict] = {}
-    total = useful = 0.0
+    own: dict[str, list[tuple[int, float]]] = {}  # candidate kernel -> (launches, µs each) per row
+    total = 0.0
     launches = 0
     for name, calls, us in rows:
         us = us if us > 0.0 else 0.0  # negative / NaN durations carry no time
@@ -88,11 +91,12 @@ def summarize_kernels(rows: list[tuple[str, int, float]], candidate_names: set[s
         per_kind[kind] += us
         total += us
         launches += calls
-        if kind == "candidate":
-            useful += us * (1.0 if needed is None else needed.get(name.strip(), 0.0))
+        if kind == "candidate" and calls > 0:
+            own.setdefault(name.strip(), []).append((calls, us / calls))
         row = per_name.setdefault(name, {"name": _truncate(name), "kind": kind, "calls": 0, "us": 0.0})
         row["calls"] += calls
         row["us"] += us
+    useful = sum(_needed_us(parts, 1.0 if needed is None else needed.get(k, 0.0)) for k, parts in own.items())
 
     top = sorted(per_name.values(), key=lambda r: (-r["us"], r["name"]))[: max(0, top_k)]
     kernels = [{"name": r["name"], "kind": r["kind"], "calls": r["calls"],
@@ -100,6 +104,28 @@ def summarize_kernels(rows: list[tuple[str, int, float]], candidate_names: set[s
     return {"triton_time_share": _share(useful, total), "library_share": _share(per_kind["library"], total),
             "other_share": _share(per_kind["other"], total), "total_device_ms": total / 1000.0,
             "num_launches": launches, "kernels": kernels}
+
+
+def _needed_us(parts: list[tuple[int, float]], fraction: float) -> float:
+    """The device time of `fraction` of a kernel's launches, its shortest ones (`parts`: launches and
+    µs each). Which launches the output needed is known by their order in the checked calls, not
+    in the profiled ones: counting the shortest, a heavy launch beside needed light ones adds nothing."""
+    left = fraction * sum(calls for calls, _ in parts)
+    total = 0.0
+    for calls, each in sorted(parts, key=lambda p: p[1]):
+        if left <= 0:
+            break
+        take = min(calls, left)
+        total, left = total + take * each, left - take
+    return total
+
+
+def launches_by_name(rows: list[tuple[str, int, float]]) -> dict[str, int]:
+    """Launches per kernel name (names stripped), summed over the rows."""
+    out: dict[str, int] = {}
+    for name, calls, _ in rows:
+        out[name.strip()] = out.get(name.strip(), 0) + calls
+    return out
 
 
 def _share(x: float, total: float) -> float | None:
@@ -140,18 +166,13 @@ def _device_events(prof: Any) -> list[tuple[str, float]]:
 
 
 def _rows(events: list[tuple[str, float]]) -> list[tuple[str, int, float]]:
-    """(name, launches, total µs) per kernel name."""
-    per: dict[str, list] = {}
-    for name, us in events:
-        row = per.setdefault(name, [name, 0, 0.0])
-        row[1] += 1
-        row[2] += us if us > 0.0 else 0.0
-    return [tuple(r) for r in per.values()]
+    """(name, 1, µs) per device kernel, in the order they ran: the judge weighs each launch."""
+    return [(name, 1, us if us > 0.0 else 0.0) for name, us in events]
 
 
 def profile_cuda(fn: Callable[[], Any]) -> tuple[Any, list[tuple[str, int, float]] | None]:
     """One call of `fn` under torch.profiler: its result, and the device kernels it ran as (name,
-    launches, µs) rows (None without CUDA). A failure of `fn` or of the profiler propagates."""
+    1, µs) rows (None without CUDA). A failure of `fn` or of the profiler propagates."""
     import torch
     if not torch.cuda.is_available():
         return fn(), None

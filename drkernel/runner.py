@@ -4,7 +4,8 @@ Started by the sandbox's zygote next to the judge (`drkernel.judge`), it talks t
 one socket and sees the judge's arena (inputs and output slots, `drkernel.ipc`). In order:
 
 1. a fresh network namespace; Triton's cache, TMPDIR and HOME beneath its own job directory;
-2. `init`: CUDA initialised, the reference file imported for `get_init_inputs` only (then dropped);
+2. `init`: CUDA initialised, the reference file imported for `get_init_inputs` only (then dropped,
+   and in a candidate's runner its copy deleted with its bytecode);
 3. `attach`: the arena mapped, then the process confined (`drkernel.confine`), the launch hook
    installed and the integrity snapshot taken; `null` calls (a trusted stand-in forward) let the
    judge calibrate its clock against this process before any candidate code exists;
@@ -301,6 +302,9 @@ class Runner:
         torch.backends.cudnn.allow_tf32 = False
         torch.set_float32_matmul_precision("highest")
         self.init_args = _reference_init_args(msg["reference"], self.seed)
+        # the copy a candidate's code could read later; the twin's candidate is that file itself
+        if os.path.realpath(msg["candidate"]) != os.path.realpath(msg["reference"]):
+            _remove_source(msg["reference"])
         self.recorder = LaunchRecorder(msg["candidate"])
         self.candidate = msg["candidate"]
         return {"ok": True}
@@ -611,6 +615,14 @@ def _reference_init_args(path: str, seed: int) -> list:
     finally:
         sys.modules.pop(name, None)
         gc.collect()  # the module's classes sit in reference cycles
+
+
+def _remove_source(path: str) -> None:
+    """`path` deleted with the bytecode its import may have written: candidate code, run later in
+    this directory, finds nothing of it there."""
+    for p in (path, importlib.util.cache_from_source(path)):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(p)
 
 
 def init_inputs(ref_mod, seed: int) -> list:

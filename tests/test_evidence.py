@@ -611,10 +611,45 @@ def test_own_kernels_busier_a_profiled_call_than_a_whole_timed_call_mean_the_tim
     j = _flow_judge()
     j.out.candidate_ms = 1.0
     calls = judge._PROFILED_CALLS
-    judge._timed_calls_ran_them(j, [("scratch_kernel", calls, 900.0 * calls), ("ampere_sgemm", calls, 5e4)])
-    assert j.out.hacks == []  # its own kernels fit; torch's are not its own
-    judge._timed_calls_ran_them(j, [("scratch_kernel", calls, 5000.0 * calls)])
+    judge._timed_calls_ran_them(j, [900.0] * calls)
+    assert j.out.hacks == []  # its own kernels fit
+    judge._timed_calls_ran_them(j, [5000.0] * calls)
     assert j.out.hacks == ["launch_pattern_changed"] and "timed calls" in j.details["hack_details"][0]
+
+
+def _profile_with(monkeypatch, own_us) -> judge.Judge:
+    """`judge.profile` where each profiled call's trace holds `own_us(signed)` µs of the candidate's
+    kernel and 50 µs of torch's; the kinds asked are kept in `j.details["asked"]`."""
+    j = _flow_judge()
+    j.flow.most, j.flow.launches, j.flow.needed = {"scratch_kernel": 1}, {"scratch_kernel": 1}, {"scratch_kernel": 1}
+    j.out.candidate_ms = 10.0
+
+    def profiled(j_, seed, mode, signed=False, keep=False):
+        j.details.setdefault("asked", []).append(signed)
+        rows = [["scratch_kernel", 1, own_us(signed)], ["ampere_sgemm", 1, 50.0]]
+        return judge.Call(reply={"profile": {"rows": rows}}, wall_ms=10.0, inputs=[], seed=seed, signed=signed)
+
+    monkeypatch.setattr(judge.Reference, "cuda", property(lambda self: True))
+    monkeypatch.setattr(judge, "call_candidate", profiled)
+    monkeypatch.setattr(judge, "verify", lambda j_, c, label: None)
+    judge.profile(j)
+    return j
+
+
+def test_own_kernels_must_do_the_same_work_on_both_kinds_of_inputs(monkeypatch):
+    """A candidate that can tell KernelBench's uniform inputs from signed normals lets torch answer
+    on the kind the data flow does not follow closely and runs its kernel for show (a guard against
+    the counterfactual's perturbed reads), its real work only on the other kind: one profiled call
+    of the three, at a random place, gets signed inputs, and its own kernels' time must match."""
+    honest = _profile_with(monkeypatch, lambda signed: 3000.0)
+    assert honest.details["asked"].count(True) == 1 and honest.out.hacks == []
+    assert honest.out.triton_time_share == pytest.approx(3000 / 3050)
+    places = {_profile_with(monkeypatch, lambda signed: 3000.0).details["asked"].index(True) for _ in range(40)}
+    assert places == set(range(judge._PROFILED_CALLS))  # the candidate cannot know which call it is
+    skips = _profile_with(monkeypatch, lambda signed: 3000.0 if signed else 4.0)
+    assert skips.out.hacks == ["launch_pattern_changed"] and "one kind of inputs" in skips.details["hack_details"][0]
+    # microsecond kernels move by microseconds
+    assert _profile_with(monkeypatch, lambda signed: 9.0 if signed else 4.0).out.hacks == []
 
 
 def test_a_changed_scheduling_of_the_twin_is_caught_and_undone():

@@ -98,6 +98,21 @@ def test_every_timed_call_is_checked():
     assert "timed call 1:" in r.error, r.error
 
 
+def test_the_forward_seed_does_not_give_the_inputs_away():
+    """The runner seeds the forward's RNG as the judge seeds the reference's (dropout); were that
+    the inputs' own seed, a candidate could draw its inputs again, know KernelBench's kind of call
+    from the judge's signed one, and work only where that pays. This one answers wrong whenever it
+    recognises its inputs."""
+    body = """
+    g = torch.Generator().manual_seed(torch.initial_seed())
+    if torch.equal(torch.rand(x.shape, generator=g) * 2 - 1, x):
+        return torch.zeros_like(launch(x))
+    return launch(x)
+    """
+    r = run("1_ReLU.py", relu_candidate(body))
+    assert r.verdict == "correct", (r.verdict, r.error)
+
+
 _NAN_SEEDED = """
 @triton.jit
 def busy_kernel(x_ptr, scratch_ptr, flag_ptr, n, BLOCK: tl.constexpr):

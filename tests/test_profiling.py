@@ -52,6 +52,18 @@ def test_share_counts_only_the_work_the_output_needs():
     assert summarize_kernels(rows, {"useful", "busy"})["triton_time_share"] == pytest.approx(0.9)
 
 
+def test_a_heavy_launch_nothing_needs_adds_no_share_beside_light_needed_launches_of_its_kernel():
+    """Three 16-element copies the output needs and one long launch of the same kernel on a scratch
+    buffer: 3 of its 4 launches are needed, and the needed ones are its shortest, not 3/4 of its time."""
+    rows = [("copy_kernel", 1, 2.0)] * 3 + [("copy_kernel", 1, 1000.0), ("vectorized_elementwise_kernel", 1, 4.0)]
+    s = summarize_kernels(rows, {"copy_kernel"}, needed={"copy_kernel": 0.75})
+    assert s["triton_time_share"] == pytest.approx(6.0 / 1010.0)
+    assert s["kernels"][0] == {"name": "copy_kernel", "kind": "candidate", "calls": 4, "total_ms": 1.006,
+                               "share": pytest.approx(1006.0 / 1010.0)}
+    assert summarize_kernels(rows, {"copy_kernel"}, needed={"copy_kernel": 1.0})["triton_time_share"] == \
+        pytest.approx(1006.0 / 1010.0)
+
+
 def test_profile_cuda_none_without_gpu():
     import torch
 

@@ -3,7 +3,9 @@ confinement (docs/security.md). Each attack fixture (tests/fixtures/attacks) mus
 its header expects, leave nothing behind and reach no listener, and the evaluator must keep
 working afterwards."""
 
+import ctypes
 import dataclasses
+import errno
 import os
 import socket
 import subprocess
@@ -352,6 +354,46 @@ def test_a_confined_process_cannot_change_another_process():
     assert got == "[True, False, False, False, True, True, True]", got
 
 
+def _io_uring_setup() -> int:
+    """The errno of `io_uring_setup(1, params)` (a zeroed `struct io_uring_params`, 120 bytes; call
+    425 on x86_64 and aarch64 alike), 0 when it made a ring (closed again)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(120)
+    fd = libc.syscall(425, 1, ctypes.byref(params))
+    if fd < 0:
+        return ctypes.get_errno()
+    os.close(fd)
+    return 0
+
+
+def _confined_io_uring_setup() -> tuple[bool, int]:
+    """Under the seccomp layer: (installed, the errno of `io_uring_setup`)."""
+    report = confine.Confinement()
+    confine._own_process_only(report)
+    return report.own_process_only, _io_uring_setup()
+
+
+def _io_uring_unavailable() -> str | None:
+    """Why this host has no io_uring even unconfined, or None when it has."""
+    try:
+        with open("/proc/sys/kernel/io_uring_disabled") as fh:
+            if fh.read().strip() == "2":
+                return "io_uring is disabled on this host (kernel.io_uring_disabled = 2)"
+    except OSError:
+        pass  # older kernels have no such switch
+    e = _io_uring_setup()
+    return f"io_uring_setup fails unconfined here: {os.strerror(e)}" if e in (errno.ENOSYS, errno.EPERM) else None
+
+
+def test_a_confined_process_cannot_set_up_io_uring():
+    """A ring's queued I/O is carried out by kernel workers, after the runner is stopped and
+    outside every check: a confined process cannot make one."""
+    if why := _io_uring_unavailable():
+        pytest.skip(why)
+    got = _in_a_child(_confined_io_uring_setup)
+    assert got == f"(True, {errno.EPERM})", got
+
+
 def _bpf_verdict(prog: list, nr: int, args: list[int], arch: int) -> str:
     """What a classic-BPF seccomp program returns for one call (`struct seccomp_data` by offset)."""
     data = {0: nr, 4: arch, **{16 + 8 * i: a for i, a in enumerate(args)}}
@@ -372,13 +414,16 @@ def _bpf_verdict(prog: list, nr: int, args: list[int], arch: int) -> str:
 def test_the_seccomp_program_of_every_architecture(machine, fixed_cores):
     """The filter's jumps, read instruction by instruction for each architecture it is built for
     (only this machine's runs in the tests above): a guarded call names the process itself (0 or
-    its pid) or is refused, and with `fixed_cores` setting the CPU set is refused outright."""
+    its pid) or is refused, io_uring_setup is refused outright, and with `fixed_cores` setting the
+    CPU set is too."""
     audit, _, guarded = confine._SECCOMP_ARCHES[machine]
-    denied = (confine._SETAFFINITY[machine],) if fixed_cores else ()
+    io_uring = confine._IO_URING_SETUP[machine]
+    denied = (io_uring, *((confine._SETAFFINITY[machine],) if fixed_cores else ()))
     prog = confine._own_process_program(audit, guarded, 4242, denied)
     assert _bpf_verdict(prog, 1, [], audit + 1) == "refused"  # another architecture
     assert _bpf_verdict(prog, 0x40000001, [], audit) == "refused"  # x32
     assert _bpf_verdict(prog, 1, [], audit) == "allow"
+    assert _bpf_verdict(prog, io_uring, [1], audit) == "refused"
     for nr, (pid_arg, which_arg, which) in guarded.items():
         for pid, allowed in ((0, True), (4242, True), (77, False)):
             args = [0] * 6
