@@ -8,17 +8,19 @@
 The base configuration is the `EvaluateConfig` defaults; every `--key value` changes one setting
 (`--help` lists them) and the first line printed names the base and the changes. A bad option or
 value, a device this machine lacks, an unreadable candidates path or a path in --output_dir that
-cannot be written (`output_problems`: results.jsonl, the report's files) stops the run with one
-`evaluate.py: error: ...` line (exit status 2) before anything is evaluated; once the evaluation
-runs the status is 0, whatever the verdicts.
+cannot be written (`output_problems`: results.jsonl, the report's files), or candidates of which
+none is usable for the selected tasks, stop the run with one `evaluate.py: error: ...` line (exit
+status 2) before anything is evaluated; once the evaluation runs the status is 0, whatever the
+verdicts. Ctrl-C ends it with one line naming the results file (status 130).
 
 Candidates: a directory in one of `drkernel.layouts`' layouts, or a `.jsonl` of generations
-(`level, problem_id, sample, turn, code`, generate.py's output). Bad input never stops the run:
-a line that is not a JSON object (a killed generate.py leaves a cut last line), a row with a
-missing or mistyped field, a file that is not UTF-8 text, a failed generation, a candidate for a
-problem that is not among the selected tasks and a result whose verdict is `reference_error`
-(the reference failed, not the candidate) are skipped, and the summary names each with its
-file/line, attempt and reason. Problems with a reference error are left out of the metrics.
+(`level, problem_id, sample, turn, code`, generate.py's output). Bad input stops the run only
+when nothing usable is left: a line that is not a JSON object (a killed generate.py leaves a cut
+last line), a row with a missing or mistyped field, a file that is not UTF-8 text, a failed
+generation, a candidate for a problem that is not among the selected tasks and a result whose
+verdict is `reference_error` (the reference failed, not the candidate) are skipped, and the
+summary names each with its file/line, attempt and reason. Problems with a reference error are
+left out of the metrics.
 
 Which problems count: a missing attempt of a counted problem is a failure. With `--denominator
 auto` (the default) a generations file counts the problems it holds generations for, unless
@@ -29,11 +31,12 @@ Results: every row is appended to `<output_dir>/results.jsonl` (and flushed) as 
 known, with the settings it was made with (`Settings`: device, baseline, timeout, the evaluator's
 verdict settings such as trials, perf_trials and tolerances, and the environment fingerprint of
 `drkernel.evalcache`). A rerun with `--resume true` (the default) reuses a stored row only when
-each field has its declared type (`ResultRow.from_dict`; other lines are named and their attempts
-evaluated again), for the same candidate and reference code, under equal settings, and when the
-cache would keep its verdict (`evalcache.cacheable`: not a timeout, a crash, out of memory or an
-evaluator failure the machine may have caused); every other attempt is evaluated again, and the
-run says how many and why. A killed run loses nothing but the chunk in flight. Then `summary.json`, plots and
+each field has its declared type (`ResultRow.from_dict`; other lines are named once and dropped,
+the old file kept aside as `results.<time>.jsonl.bak`), for the same candidate and reference code,
+under equal settings, and when the cache would keep its verdict (`evalcache.cacheable`: not a
+timeout, a crash, out of memory or an evaluator failure the machine may have caused); every other
+stored attempt is evaluated again, and the run says how many were reused, evaluated again (and
+why) or new. A killed run loses nothing but the chunk in flight. Then `summary.json`, plots and
 `report.md` are written and the table is printed.
 
 `--baseline compile` times the reference under `torch.compile` (compiled once per problem and
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -59,11 +63,11 @@ from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, Resolved, TaskSelection, cache_dir_problem,
-                             compose, create_output, limit_problems, output_problem, script_config)
+                             compose, create_output, interruptible, limit_problems, output_problem, script_config)
 from drkernel.evalcache import cacheable, fingerprint, result_problem, verdict_settings, with_environment
 from drkernel.evaltypes import VERDICTS
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
-from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl
+from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl, rewrite_jsonl
 from drkernel.layouts import Candidate, LayoutError, Scan, Skipped, attempt_name, scan_candidates
 from drkernel.report import report_problems
 from drkernel.tasks import Task, text_digest
@@ -84,7 +88,8 @@ below (our bundled Triton solutions on the bundled tasks, on a GPU when one is v
 the CPU). Each --key value changes one setting; --config file.yaml changes several. Rerun with
 the same --output_dir to resume: stored results made with other settings, or whose verdict the
 machine may have caused (timeout, crash, out of memory), are evaluated again.
-Exit status: 0 when the evaluation ran (whatever the verdicts), 2 for a usage error.
+Exit status: 0 when the evaluation ran (whatever the verdicts), 2 for a usage error, 130 when
+interrupted (Ctrl-C; the finished results are kept).
 """
 Key = tuple[int, int, int, int]  # (level, problem_id, sample, turn)
 Problem = tuple[int, int]  # (level, problem_id)
@@ -325,10 +330,16 @@ def collect_inputs(cfg: EvaluateConfig, tasks: Sequence[Task]) -> Inputs:
             inputs.skip(c, problem)
         else:
             inputs.add(Attempt(c, task))
-    if not inputs.attempts:
-        print(f"[evaluate] warning: no usable candidate for the selected tasks ({selection_text(cfg)})",
-              file=sys.stderr)
+    if not inputs.attempts:  # nothing to evaluate or count: metrics over nothing would read as 0 %
+        fail(no_candidates(cfg, inputs.skipped))
     return inputs
+
+
+def no_candidates(cfg: EvaluateConfig, skipped: Sequence[Skipped]) -> str:
+    """The usage error of a candidates path that held no usable candidate for the selected tasks."""
+    why = first_reasons([str(s) for s in skipped]) if skipped else "it holds none"
+    return (f"no usable candidates in {cfg.candidates or 'our bundled solutions'} for the selected tasks "
+            f"({selection_text(cfg)}): {why}")
 
 
 # --------------------------------------------------------------------------------------
@@ -424,34 +435,70 @@ IDENTITY_TYPES: dict[str, Any] = {k: v for k, v in typing.get_type_hints(ResultR
                                   if k not in ("settings", "result")}
 
 
-def read_results(path: Path) -> tuple[list[ResultRow], list[str]]:
-    """The usable rows of results.jsonl, and why each other line is not one ("line N: why": a
-    write cut by a kill, a row without its settings or with a field of the wrong type)."""
-    rows, bad = [], []
-    for line in iter_jsonl(path):
+KEY_TYPES = {k: IDENTITY_TYPES[k] for k in ("level", "problem_id", "sample", "turn")}
+
+
+@dataclasses.dataclass
+class StoredResults:
+    """What results.jsonl holds: its usable rows, each line as read (kept when the file is
+    rewritten), and why each other line is not a usable row, with the attempts those lines name."""
+
+    rows: list[ResultRow] = dataclasses.field(default_factory=list)
+    lines: list[dict] = dataclasses.field(default_factory=list)
+    bad: list[str] = dataclasses.field(default_factory=list)  # "line N: why"
+    bad_keys: set[Key] = dataclasses.field(default_factory=set)
+
+    def add(self, lineno: int, data: dict | None, error: str) -> None:
+        """One line: a usable row, or (ValueError from `ResultRow.from_dict`) a bad one."""
         try:
-            if line.row is None:
-                raise ValueError(line.error)
-            rows.append(ResultRow.from_dict(line.row))
+            if data is None:
+                raise ValueError(error)
+            self.rows.append(ResultRow.from_dict(data))
+            self.lines.append(data)
         except ValueError as exc:
-            bad.append(f"line {line.lineno}: {exc}")
-    return rows, bad
+            self.bad.append(f"line {lineno}: {exc}")
+            if data is not None and not field_problem(data, KEY_TYPES, required=KEY_TYPES):
+                self.bad_keys.add(tuple(data[k] for k in KEY_TYPES))
 
 
-def stored_results(path: Path, resume: bool) -> dict[Key, ResultRow]:
-    """The stored row of each attempt (the last of a key wins); with `resume` false the old file
-    is moved aside, never destroyed."""
+def read_results(path: Path) -> StoredResults:
+    """The lines of results.jsonl, usable or not (a write cut by a kill, a row without its
+    settings or with a field of the wrong type)."""
+    stored = StoredResults()
+    for line in iter_jsonl(path):
+        stored.add(line.lineno, line.row, line.error)
+    return stored
+
+
+def backup_path(path: Path) -> Path:
+    """Where an old results file is moved or copied aside, never destroyed."""
+    return path.with_name(f"results.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
+
+
+def drop_unusable_lines(path: Path, lines: Sequence[dict]) -> Path:
+    """Rewrite `path` with only its usable `lines`, so that the bad ones are named once, not on
+    every rerun; the old file is copied aside first (returned), and the new one replaces it
+    atomically, so a kill loses nothing."""
+    backup = backup_path(path)
+    shutil.copyfile(path, backup)
+    rewrite_jsonl(path, lines)
+    return backup
+
+
+def stored_results(path: Path, resume: bool) -> StoredResults:
+    """The stored lines; with `resume` false the old file is moved aside, never destroyed."""
     if not resume:
         if path.exists() and path.stat().st_size:
-            backup = path.with_name(f"results.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
+            backup = backup_path(path)
             os.replace(path, backup)
             print(f"[evaluate] --resume false: moved the old results to {backup}", file=sys.stderr)
-        return {}
-    rows, bad = read_results(path)
-    if bad:
-        print(f"[evaluate] {path}: {len(bad)} line(s) are not usable results, their attempts are evaluated "
-              f"again: {first_reasons(bad)}", file=sys.stderr)
-    return {r.key: r for r in rows}
+        return StoredResults()
+    stored = read_results(path)
+    if stored.bad:
+        backup = drop_unusable_lines(path, stored.lines)
+        print(f"[evaluate] {path}: dropped {len(stored.bad)} line(s) that are not usable results (the old file "
+              f"is kept as {backup.name}): {first_reasons(stored.bad)}", file=sys.stderr)
+    return stored
 
 
 def why_not_reused(row: ResultRow, attempt: Attempt, settings: Settings) -> str:
@@ -466,33 +513,46 @@ def why_not_reused(row: ResultRow, attempt: Attempt, settings: Settings) -> str:
     return ""
 
 
+UNUSABLE_LINE = "its stored line is not a usable result"
+
+
 @dataclasses.dataclass
 class Plan:
-    """Which attempts keep their stored row and which are evaluated now (and why again)."""
+    """Which attempts keep their stored row and which are evaluated now: again (why, per attempt
+    with a stored line) or new."""
 
     reused: list[ResultRow] = dataclasses.field(default_factory=list)
     todo: list[Attempt] = dataclasses.field(default_factory=list)
-    again: list[str] = dataclasses.field(default_factory=list)  # why, per stored row not reused
+    again: list[str] = dataclasses.field(default_factory=list)  # why, per attempt evaluated again
+    new: int = 0  # attempts that no stored line names
 
     @classmethod
-    def of(cls, attempts: Sequence[Attempt], stored: dict[Key, ResultRow], settings: Settings) -> "Plan":
+    def of(cls, attempts: Sequence[Attempt], stored: StoredResults, settings: Settings) -> "Plan":
         plan = cls()
+        rows = {r.key: r for r in stored.rows}  # the last of a key wins
         for a in attempts:
-            row = stored.get(a.key)
-            why = "new" if row is None else why_not_reused(row, a, settings)
-            if not why:
+            row = rows.get(a.key)
+            if row is None:
+                plan.evaluate(a, UNUSABLE_LINE if a.key in stored.bad_keys else "")
+            elif why := why_not_reused(row, a, settings):
+                plan.evaluate(a, why)
+            else:
                 plan.reused.append(row)
-                continue
-            plan.todo.append(a)
-            if row is not None:
-                plan.again.append(why)
         return plan
+
+    def evaluate(self, attempt: Attempt, again: str) -> None:
+        """`attempt` is evaluated now: again for the reason `again`, or ('') as a new one."""
+        self.todo.append(attempt)
+        if again:
+            self.again.append(again)
+        else:
+            self.new += 1
 
     def announce(self) -> None:
         if not (self.reused or self.again):
             return
-        print(f"[evaluate] resume: {len(self.reused)} stored result(s) reused, {len(self.again)} evaluated again",
-              file=sys.stderr)
+        print(f"[evaluate] resume: {len(self.reused)} stored result(s) reused, {len(self.again)} evaluated again, "
+              f"{self.new} new", file=sys.stderr)
         for why, n in Counter(self.again).most_common():
             print(f"[evaluate]   {n} x {why}", file=sys.stderr)
 
@@ -628,7 +688,7 @@ def write_outputs(cfg: EvaluateConfig, device: str, tasks: Sequence[Task], input
                                 intervals=cfg.fast_p_interval)
     summary.update(config={**dataclasses.asdict(cfg), "device_resolved": device}, counted=scope.description,
                    evaluated_this_run=len(new), skipped_resumed=len(plan.reused), evaluated_again=len(plan.again),
-                   num_reference_errors=len(failed_refs), num_skipped=len(skipped),
+                   evaluated_new=plan.new, num_reference_errors=len(failed_refs), num_skipped=len(skipped),
                    skipped=[dataclasses.asdict(s) for s in skipped])
     out_dir = Path(cfg.output_dir)
     reports.write_report(summary, counted, out_dir, expected=scope.problems, samples=scope.samples,
@@ -641,7 +701,11 @@ def write_outputs(cfg: EvaluateConfig, device: str, tasks: Sequence[Task], input
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    run = parse_args(list(sys.argv[1:] if argv is None else argv))
+    return run_evaluation(parse_args(list(sys.argv[1:] if argv is None else argv)))
+
+
+def run_evaluation(run: Resolved[EvaluateConfig]) -> dict:
+    """Check the settings, evaluate what results.jsonl does not hold yet, write the report."""
     cfg = run.cfg
     check_config(cfg)
     print(start_line(run), file=sys.stderr)
@@ -658,5 +722,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
     return write_outputs(cfg, device, tasks, inputs, plan, new)
 
 
+def cli() -> None:
+    """`python evaluate.py`: Ctrl-C ends it with one line naming the results file it resumes from
+    (parsed first, as --output_dir names it)."""
+    run = parse_args(sys.argv[1:])
+    results = Path(run.cfg.output_dir) / RESULTS_FILE
+    interruptible(lambda: run_evaluation(run), PROG,
+                  f"the finished results are in {results}; run the same command again (with --resume true, "
+                  f"the default) to evaluate only the rest")
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -21,7 +21,7 @@ Output: one JSONL row per (task, sample, turn) with the evaluator's verdict and 
 (columns in `make_row`). `level, problem_id, sample, turn, code` are what `evaluate.py
 --candidates out.jsonl` reads, so generations can be re-evaluated elsewhere (e.g. timed
 on a GPU); turns are 0-based and, with STTS, global (the round's offset + `iter_turn`; a later
-round adds `num_turns - stts_window` turns by default, see `drkernel.stts.round_turns`).
+round adds `num_turns - stts_window` turns (at least 1) by default, see `drkernel.stts.round_turns`).
 A summary (`drkernel.metrics`, best-of-turns Fast@p; per STTS round with `drkernel.stts`)
 goes to `<output stem>.summary.json` and is printed; report.md and plots to `<output stem>_report/`.
 
@@ -64,13 +64,13 @@ from tqdm import tqdm
 from drkernel import stts
 from drkernel.api_policy import ApiConfig, ApiError, ChatGenerator, Failure
 from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, ModelSelection, Resolved,
-                             TaskSelection, cache_dir_problem, changed_settings, compose, create_output, limit_problems,
-                             output_problem, script_config)
+                             TaskSelection, cache_dir_problem, changed_settings, compose, create_output, interruptible,
+                             limit_problems, output_problem, script_config)
 from drkernel.evalcache import result_problem
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.evaltypes import VERDICTS
 from drkernel.generation import GenerationConfig
-from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl, json_safe, write_json
+from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl, json_safe, rewrite_jsonl, write_json
 from drkernel.prompts import FORMAT_ERROR
 from drkernel.report import report_problems
 from drkernel.rollout import RolloutConfig
@@ -154,7 +154,7 @@ class GenerateConfig(ModelSelection, TaskSelection):
     stts_ties: str = dataclasses.field(default="earliest", metadata={
         "help": "which of equally good windows starts the next round: earliest (KernelGYM) | latest"})
     api_base_url: str = dataclasses.field(default=_A.base_url, metadata={
-        "help": "OpenAI-compatible endpoint as the policy, e.g. http://localhost:8000/v1 (replaces --model)"})
+        "help": "OpenAI-compatible endpoint as the policy, e.g. http://localhost:8000/v1 (instead of --model)"})
     api_model: str = dataclasses.field(default=_A.model, metadata={"help": "model name served by the endpoint"})
     api_key_env: str = dataclasses.field(default=_A.api_key_env, metadata={
         "help": "environment variable holding the API key (unset: no auth header)"})
@@ -187,9 +187,29 @@ def check_config(cfg: GenerateConfig) -> None:
     if cfg.api_model and not cfg.api_base_url:
         problems.append("--api_model needs --api_base_url (the endpoint that serves it); without one the local "
                         "--model would run")
+    if cfg.api_base_url and (local := _local_model_options(cfg)):
+        problems.append(f"{local} would be ignored: with --api_base_url the endpoint is the policy and no local "
+                        f"model loads; drop one of them")
     problems += output_problems(cfg)
     if problems:
         fail("; ".join(problems))
+
+
+def _local_model_options(cfg: GenerateConfig) -> str:
+    """The local-model settings (`ModelSelection`: --model, --tokenizer, --dtype) changed from their
+    defaults, as `--key value` text; empty when none is."""
+    changed = [f for f in dataclasses.fields(ModelSelection) if getattr(cfg, f.name) != f.default]
+    return ", ".join(f"--{f.name} {getattr(cfg, f.name)}" for f in changed)
+
+
+def notes(cfg: GenerateConfig) -> list[str]:
+    """Settings that take effect other than as written, one line each (printed after the start line)."""
+    found = []
+    if cfg.stts_iterations > 1 and cfg.stts_window_counts and cfg.stts_window >= cfg.num_turns:
+        found.append(f"--stts_window {cfg.stts_window} is not below --num_turns {cfg.num_turns}: each later round "
+                     f"adds 1 turn (the kept window counts toward --num_turns; --stts_window_counts false adds "
+                     f"--num_turns)")
+    return found
 
 
 def output_problems(cfg: GenerateConfig) -> list[str]:
@@ -493,12 +513,7 @@ def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str, tasks: Sequen
     failed = sum(map(is_failure, latest))
     res = Resumed(kept, skipped, failed, len(latest) - len(kept) - failed, len(good) - len(latest))
     if res.dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.unlink(missing_ok=True)
-        with JsonlWriter(tmp, sync_each_row=False) as fh:
-            for r in kept:
-                fh.write(r)
-        os.replace(tmp, path)
+        rewrite_jsonl(path, kept)
     return res
 
 
@@ -670,6 +685,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     cfg = settings.cfg
     check_config(cfg)
     print(start_line(settings), file=sys.stderr)
+    for note in notes(cfg):
+        print(f"generate.py: note: {note}", file=sys.stderr)
     # rows record the device that evaluated them, not "auto"
     cfg = dataclasses.replace(cfg, device=_resolve_device(cfg.device))
     tasks = _load_tasks(cfg)
@@ -714,4 +731,4 @@ def _load_tasks(cfg: GenerateConfig) -> list:
 
 
 if __name__ == "__main__":
-    main()
+    interruptible(main, "generate.py", "the rows of finished batches are in --output; rerun the same command to resume")

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
-from drkernel.config import HELP_FLAGS, NO_CONFIG, ConfigError, describe, load_yaml, shown_path
+from drkernel.config import HELP_FLAGS, NO_CONFIG, ConfigError, describe, interruptible, load_yaml, shown_path
 
 PROG = "train.py"
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -44,6 +44,8 @@ STAGES = {
                  "a short LoRA run on the bundled conversations"),
 }
 
+# the line Ctrl-C leaves (`interruptible`): where the finished work is and how to go on
+RESUME_HINT = "the checkpoints saved so far are in its output_dir; the same command plus --resume_from auto continues"
 USAGE = f"usage: accelerate launch {PROG} [--stage rl|sft] [--config FILE|{NO_CONFIG}] [--key value ...]"
 
 
@@ -85,6 +87,7 @@ def help_text(name: str) -> str:
         "full recipe).",
         "--resume_from auto|DIR continues a checkpoint and refuses settings that differ from the ones",
         "it was made with (max_steps, checkpoint and logging intervals and the like may change).",
+        "Without it, a run refuses an output_dir that holds a previous run (checkpoints, metrics.jsonl).",
         "The first line on stderr says which base a run uses.", "",
         f"This stage ({name}) without --config: {shown_path(stage.preset)} sets {preset}.", "",
         describe(config_class),
@@ -105,4 +108,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(interruptible(main, PROG, RESUME_HINT))

@@ -173,6 +173,16 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
+def interruptible(main: Callable[[], Any], prog: str, resume: str) -> Any:
+    """`main()`'s result; Ctrl-C ends the script with one line instead of a traceback (`resume`: where
+    the finished work is and how to go on) and status 130, the shell's for an interrupt."""
+    try:
+        return main()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; {resume}", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
 def output_problem(option: str, path: str, is_dir: bool = False, writable: bool = True) -> str | None:
     """Why `path` cannot be written as a file (or used as a directory), or None when it can;
     `writable=False` (a shared cache that may be read-only) checks only its kind."""
@@ -184,6 +194,8 @@ def output_problem(option: str, path: str, is_dir: bool = False, writable: bool 
         return f"{option} {path}: is a link to nothing ({os.readlink(p)})"
     if p.exists() and p.is_dir() != is_dir:
         return f"{option} {path}: is a {'directory' if p.is_dir() else 'file'}, not a {kind}"
+    if p.exists() and not is_dir and not p.is_file():  # a device or a pipe: the files written beside it would land in /dev
+        return f"{option} {path}: is not a regular file"
     nearest = p if p.exists() else p.parent
     while not nearest.exists() and nearest != nearest.parent:
         nearest = nearest.parent

@@ -10,6 +10,7 @@ against their declared types (`field_problem`) before it trusts them.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -187,7 +188,12 @@ class JsonlWriter:
 
     def flush(self) -> None:
         self.fh.flush()
-        os.fsync(self.fh.fileno())
+        try:
+            os.fsync(self.fh.fileno())
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            # EINVAL: a file that cannot be synced (/dev/null, a pipe) keeps nothing to make durable
 
     def close(self) -> None:
         if not self.fh.closed:
@@ -207,4 +213,15 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def rewrite_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> None:
+    """`path` replaced atomically by `rows` (a kill leaves the old or the new file)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)  # a killed rewrite's leftover: the writer would append to it
+    with JsonlWriter(tmp, sync_each_row=False) as writer:
+        for row in rows:
+            writer.write(row)
     os.replace(tmp, path)

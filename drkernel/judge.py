@@ -17,7 +17,8 @@ Once per group (`Reference`), in order:
 4. `load_twin`: the twin builds the reference model (compiled when `baseline` is compile: the
    compile happens here, outside any timing);
 5. `time_reference_alone`: the twin timed before any candidate code exists (guard against a
-   candidate that slows the reference) and the device copy bandwidth (roofline).
+   candidate that slows the reference) and the device copy bandwidth (roofline);
+6. `probe_profiler`: one profiled call of the twin says whether the profiler works here.
 
 Then per candidate (`Judge`), in order:
 
@@ -123,6 +124,7 @@ class Reference:
     ref_alone_ms: float = 0.0
     bandwidth: float | None = None
     overhead_ms: float = 0.0
+    profiler_works: bool = False  # the twin's profiled call gave a trace (`probe_profiler`)
     outputs: dict = dataclasses.field(default_factory=dict)  # (seed, signed) -> the reference's output
     trial_seeds: list[int] = dataclasses.field(default_factory=list)  # the group's correctness trials
     cached_bytes: int = 0
@@ -647,6 +649,15 @@ def _twin_ms(r: Reference, seed: int, keep: bool = False) -> Call:
     return c
 
 
+def probe_profiler(r: Reference) -> None:
+    """Whether the profiler gives a trace on this machine, from one profiled call of the twin
+    (trusted): where it does, a candidate's profiled call that fails or shows no trace is the
+    candidate's doing, and skipping the checks only the profile makes cannot be its way out."""
+    if r.cuda and r.cfg.profile:
+        with contextlib.suppress(Stop):
+            r.profiler_works = bool(_profile_rows(call(r, r.twin, fresh_seed(), "profile").reply))
+        r.details["profiler_works"] = r.profiler_works
+    r.mark("probe_profiler")
 
 
 def _reference_alone_ms(r: Reference) -> float:
@@ -1123,14 +1134,13 @@ def _precise_enough(j: Judge, ref_ms: list[float], cand_ms: list[float]) -> bool
 
 def time_interleaved(j: Judge) -> None:
     """Twin and runner called in turn (R C, C R, ...) on the same fresh inputs, both pinned to one
-    core, so that reference and candidate are timed under the same conditions. Timing stops once
+    core (`_measured`), so that reference and candidate are timed under the same conditions. Timing stops once
     the speedup's bootstrap interval is narrower than `speedup_precision` (asked after each block of
     `timing_block_calls` candidate calls); every timed output is verified."""
     r = j.ref
-    with _pinned(r, r.twin, j.runner):
-        for i in range(max(1, j.cfg.warmup)):
-            call_candidate(j, fresh_seed(), "warm")
-        ref_ms, ref_walls, events, walls = _timed_pairs(j)
+    for i in range(max(1, j.cfg.warmup)):
+        call_candidate(j, fresh_seed(), "warm")
+    ref_ms, ref_walls, events, walls = _timed_pairs(j)
     j.honest_extra = _honest_extra(r, ref_ms, ref_walls)
     j.reference_excess_ms = max(0.0, _clock_excess(r, ref_ms, ref_walls))
     j.details["reference_clock_extra_per_ms"] = j.honest_extra
@@ -1256,9 +1266,13 @@ def profile(j: Judge) -> None:
             call_rows, call_ms = _profiled_call(j, i, signed)
             rows, wall_ms = rows + call_rows, wall_ms + call_ms
             own_us.append((signed, sum(max(us, 0.0) for name, _, us in call_rows if name.strip() in j.kernels)))
-    except Stop as err:  # the profiler failed, or the candidate under it: no share
-        j.details["profile_error"] = err.error[:300]
+    except Stop as err:
+        if r.profiler_works:  # the twin's profile ran: the candidate's forward or runner failed
+            raise
+        j.details["profile_error"] = err.error[:300]  # the profiler fails on this machine: no share
         rows = []
+    if not rows and r.profiler_works:
+        raise Stop("runtime_error", "the profiled calls sent no kernel trace, where the reference's had one")
     if rows:  # these can only cost the candidate: also where the traces are doubted
         _timed_calls_ran_them(j, [us for _, us in own_us])
         _same_work_on_both_kinds(j, own_us)
@@ -1415,8 +1429,15 @@ def final(j: Judge) -> None:
 
 
 # In order; the phases of a tuple run in one hold of the GPU alone (their numbers enter the verdict).
-GROUP = (setup, start_twin, (calibrate,), load_twin, (time_reference_alone,))
+GROUP = (setup, start_twin, (calibrate,), load_twin, (time_reference_alone, probe_profiler))
 CANDIDATE = (attach_runner, load_candidate, check_correctness, (time_interleaved, profile), final)
+
+
+def _measured(state) -> tuple[Channel, ...]:
+    """The processes pinned to the timing core for a candidate's hold of the GPU alone: twin and
+    runner, for the timed and the profiled calls alike, so that a runner reading its CPU set or
+    core cannot tell the one from the other (the twin pins itself for the group's own timing)."""
+    return (state.ref.twin, state.runner) if isinstance(state, Judge) else ()
 
 
 def _run(phases: tuple, state, r: Reference, alone_key: str) -> None:
@@ -1425,7 +1446,7 @@ def _run(phases: tuple, state, r: Reference, alone_key: str) -> None:
     for step in phases:
         if isinstance(step, tuple):
             t0 = _perf()
-            with _alone(r):
+            with _alone(r), _pinned(r, *_measured(state)):
                 for phase in step:
                     phase(state)
             state.details[alone_key] = round(state.details.get(alone_key, 0.0) + _perf() - t0, 4)

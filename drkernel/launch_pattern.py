@@ -9,8 +9,9 @@ the same way (the launch hook runs in all of them) and describes them when the j
 reply (outside every timed span). The judge learns the patterns of the checked calls (`Patterns`):
 after the first (which may autotune, compile or cache) they must all launch alike, on uniform and
 signed inputs (a forward that launches otherwise when the inputs have negative values drops work on
-KernelBench's own inputs); and every warm-up, timed and profiled call must show one of them, with
-the scalars that were the same in all of those checked calls (a per-call seed may change).
+KernelBench's own inputs); and every warm-up, timed and profiled call must show that steady
+pattern, with the scalars that were the same in all of those checked calls (a per-call seed may
+change).
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ class Patterns:
         return shape == self.steady
 
     def allows(self, sig: Any) -> bool:
-        """Whether `sig` is a pattern of the checked calls, with every scalar that was the same in
-        all of that pattern's checked calls the same again."""
+        """Whether `sig` is the steady pattern of the checked calls (the first call's, where it was
+        the only one), with every scalar that was the same in all of its checked calls the same
+        again. The first call's own launches (autotuning, a cache filled) are not a pattern to come
+        back to: no counterfactual call and no tracked change ever follows that call."""
         shape, scalars = split(sig)
         known = self.seen.get(shape)
-        if not known:
+        if not known or shape != (self.steady or shape):
             return False
         return all(len({s[i] for s in known}) > 1 or known[0][i] == v for i, v in enumerate(scalars))

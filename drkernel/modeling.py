@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -182,7 +183,16 @@ class ModelLoadError(ValueError):
     """A model or tokenizer that cannot be loaded from what the user named (one clear line)."""
 
 
-_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError)  # what transformers raises for a bad name or file
+# what transformers raises for a bad name or file; struct.error: a GGUF file cut short (its reader unpacks
+# past the end)
+_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError, struct.error)
+
+
+def _load_problem(exc: BaseException) -> str:
+    """Why a load failed, in one line (`error_line`); struct's bare `error` is named for what it means."""
+    if isinstance(exc, struct.error):
+        return f"the file is cut short or damaged ({exc})"
+    return error_line(exc)
 
 
 def load_tokenizer(name: str, tokenizer_name: str | None = None):
@@ -195,7 +205,7 @@ def load_tokenizer(name: str, tokenizer_name: str | None = None):
     except ModelDownloadError:
         raise
     except _LOAD_ERRORS as exc:
-        raise ModelLoadError(f"cannot load a tokenizer from {source!r}: {error_line(exc)}") from None
+        raise ModelLoadError(f"cannot load a tokenizer from {source!r}: {_load_problem(exc)}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # generation pads on the left so every row ends at the same column
@@ -222,7 +232,7 @@ def load_model(name: str, dtype: str = "auto", gradient_checkpointing: bool = Fa
     except ModelDownloadError:
         raise
     except _LOAD_ERRORS as exc:
-        raise ModelLoadError(f"cannot load a model from {name!r}: {error_line(exc)}") from None
+        raise ModelLoadError(f"cannot load a model from {name!r}: {_load_problem(exc)}") from None
     if lora_r > 0 and adapter_base(name) is None:
         from peft import LoraConfig, get_peft_model
 

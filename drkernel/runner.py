@@ -126,8 +126,9 @@ class LaunchRecorder:
     `perturb` read perturbed data (`drkernel.counterfactual`); they are recorded and logged as
     they would be otherwise."""
 
-    def __init__(self, candidate_file: str):
+    def __init__(self, candidate_file: str, device_type: str = "cpu"):
         self.candidate_file = os.path.realpath(candidate_file)
+        self.device_type = device_type  # the run's: every tensor a launch gets lives there
         # (kernel, grid, arguments by parameter); it also keeps the launched tensors alive until the
         # call ends (a freed kernel buffer cannot be handed to a torch-made output)
         self.launches: list[tuple[str, tuple, dict]] = []
@@ -209,6 +210,11 @@ class LaunchRecorder:
         for param, v in given:
             if foreign := self.argument_types.foreign(v):
                 return f"argument {param} is a {foreign}: not a tensor, number, string, dtype or Triton's own"
+            # a GPU kernel can read pinned host memory: torch on the CPU would then do the work,
+            # beside device kernels that only copy, and the device's trace would show only those
+            elsewhere = {t.device.type for t in compare.tensors(v)} - {self.device_type}
+            if elsewhere:
+                return f"argument {param} is a tensor on {', '.join(sorted(elsewhere))}, not on the run's {self.device_type}"
         return None
 
     @staticmethod
@@ -305,7 +311,7 @@ class Runner:
         # the copy a candidate's code could read later; the twin's candidate is that file itself
         if os.path.realpath(msg["candidate"]) != os.path.realpath(msg["reference"]):
             _remove_source(msg["reference"])
-        self.recorder = LaunchRecorder(msg["candidate"])
+        self.recorder = LaunchRecorder(msg["candidate"], self.device.type)
         self.candidate = msg["candidate"]
         return {"ok": True}
 

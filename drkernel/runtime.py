@@ -20,7 +20,10 @@ A checkpoint records the settings it was made with (`SETTINGS_KEY` in its traine
 `start_run` refuses to resume it under other settings, except those in the config class's
 `RESUME_SAFE` (along its MRO), which only warn. It refuses as well, before any model loads, a
 checkpoint whose state files are missing, cut or not what their names say (`checkpoint_problem`):
-a damaged checkpoint is never silently replaced by a fresh start.
+a damaged checkpoint is never silently replaced by a fresh start. A run without `--resume_from`
+refuses an `output_dir` that holds a previous run (`previous_run`): its metrics.jsonl would gain
+the new rows and its checkpoints would sit beside (and, for `auto`, win over) the new ones.
+`--resume_from auto` with no complete checkpoint starts from step 0, and says so.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ SETTINGS_KEY = "config"  # where a checkpoint's trainer_state.json records the r
 STATE_FILES = "files"  # where trainer_state.json lists the checkpoint's state files: {name: bytes}
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 AUTO = ("auto", "latest")  # --resume_from values that mean the newest complete checkpoint of output_dir
+RUN_FILES = ("final", "metrics.jsonl")  # beside checkpoint-N: what a run leaves in output_dir
 _TORCH_SAVED = (".bin", ".pkl", ".pt")  # Accelerate's torch.save files: zip archives
 # transformers schedulers that `get_scheduler(name, optimizer, num_warmup_steps, num_training_steps)`
 # cannot build without further arguments, or that step() only with a metric: the stages give neither
@@ -222,6 +226,13 @@ def _numbered(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in out.iterdir() if (m := _CKPT.match(p.name)) and p.is_dir())
 
 
+def previous_run(output_dir: str | os.PathLike) -> list[str]:
+    """The names in `output_dir` that an earlier run left there: its checkpoint-N (complete or not,
+    newest first) and `RUN_FILES`; empty when it holds none."""
+    out = Path(output_dir)
+    return [p.name for _, p in reversed(_numbered(out))] + [name for name in RUN_FILES if (out / name).exists()]
+
+
 def checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints in `output_dir`, oldest first (a checkpoint without its
     trainer_state.json was interrupted while saving and is ignored)."""
@@ -352,6 +363,8 @@ def check_resume(cfg: Any) -> list[str]:
     """Before resuming `cfg.resume_from` (before any model loads): a ConfigError naming a state file
     that cannot be restored, or every setting that differs from the checkpoint's, except those in
     `RESUME_SAFE`; for those, the warnings to print."""
+    if not cfg.resume_from:
+        _check_fresh(cfg.output_dir)
     path = resolve_resume(cfg.resume_from, cfg.output_dir)
     passed = _passed_over(cfg, path)
     if path is None:
@@ -376,14 +389,28 @@ def check_resume(cfg: Any) -> list[str]:
     return passed + [f"resuming {shown_path(path)} with {c} (a setting that may change on resume)" for c in changes]
 
 
+def _check_fresh(output_dir: str) -> None:
+    """A ConfigError when a new run's `output_dir` holds a previous run (`previous_run`): the two would
+    share one metrics.jsonl, and a later `--resume_from auto` could pick the old run's newest checkpoint."""
+    found = previous_run(output_dir)
+    if found:
+        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise ConfigError(f"{shown_path(output_dir)} holds a previous run ({shown}); pass --resume_from auto to "
+                          f"continue it, or another --output_dir")
+
+
 def _passed_over(cfg: Any, path: Path | None) -> list[str]:
-    """Warnings for the checkpoints newer than `path` (None: any) that `--resume_from auto` passes
-    over: saves cut off before their trainer_state.json was written. Said, so no fresh start is silent."""
+    """What `--resume_from auto` passes over, so that no fresh start is silent: with no complete
+    checkpoint (`path` None), one line saying that a new run starts; else a line for each newer
+    checkpoint cut off before its trainer_state.json was written."""
     if cfg.resume_from not in AUTO:
         return []
-    newest = int(_CKPT.match(path.name).group(1)) if path is not None else -1
-    instead = f"resuming {shown_path(path)}" if path is not None else "starting afresh"
-    return [f"{shown_path(p)} has no {TRAINER_STATE} (its save was cut off): {instead}"
+    if path is None:
+        cut = [p.name for _, p in _numbered(cfg.output_dir)]
+        why = f" ({', '.join(cut)} {'is' if len(cut) == 1 else 'are'} incomplete)" if cut else ""
+        return [f"no complete checkpoint in {shown_path(cfg.output_dir)}{why}; starting a new run"]
+    newest = int(_CKPT.match(path.name).group(1))
+    return [f"{shown_path(p)} has no {TRAINER_STATE} (its save was cut off): resuming {shown_path(path)}"
             for n, p in _numbered(cfg.output_dir) if n > newest]
 
 

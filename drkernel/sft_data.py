@@ -35,8 +35,10 @@ hacked turns dropped (the trajectory ends before them) and de-duplication by ker
 A row answers the selected task of its (level, problem_id) only when it names that task
 (`Task.row_problem`, the rule generate.py's resume and summary apply too); any other is skipped and
 named, so a file written for another task set never pairs one task's prompt with another's answer.
+A file from which no conversation is kept is an error (exit status 2, no output written), as is a
+`--min_speedup` of 0 or less (a speedup is a ratio of times).
 
-    python -m drkernel.sft_data --generations gen.jsonl --out sft.jsonl [--min_reward R] [--min_speedup S]
+    python -m drkernel.sft_data --generations gen.jsonl [--out outputs/sft.jsonl] [--min_reward R] [--min_speedup S]
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from drkernel import metrics
-from drkernel.config import TaskSelection, output_problem
+from drkernel.config import FINITE, POSITIVE, TaskSelection, limit_problems, output_problem
 from drkernel.jsonl import finite, first_reasons, iter_jsonl
 from drkernel.tasks import UNPARSABLE, Task, text_digest
 
@@ -357,13 +359,17 @@ class ConvertConfig(TaskSelection):
     """`python -m drkernel.sft_data`: generate.py's JSONL -> SFT `messages` rows; `tasks`/`levels`
     name where the rows' problems come from (as generate.py's)."""
 
+    # the thresholds a turn must reach: any finite reward (a reward's scale is configurable), a
+    # speedup > 0 (a ratio of times: 0 or less would only drop turns that have no speedup)
+    LIMITS = {"min_reward": FINITE, "min_speedup": POSITIVE}
+
     generations: str = dataclasses.field(default="", metadata={
         "help": "generate.py's JSONL: one row per (level, problem_id, sample, turn)"})
-    out: str = dataclasses.field(default="sft.jsonl", metadata={"help": "the SFT rows written (JSONL)"})
+    out: str = dataclasses.field(default="outputs/sft.jsonl", metadata={"help": "the SFT rows written (JSONL)"})
     min_reward: float | None = dataclasses.field(default=None, metadata={
         "help": "a turn qualifies if correct, not hacked, and its reward is at least this"})
     min_speedup: float | None = dataclasses.field(default=None, metadata={
-        "help": "... and its speedup is at least this"})
+        "help": "... and its speedup (> 0) is at least this"})
     train_failed_turns: bool = dataclasses.field(default=False, metadata={
         "help": "also train on earlier, non-qualifying answers (default: context only)"})
 
@@ -545,28 +551,44 @@ def _generation_rows(path: Path) -> tuple[list[dict], list[str]]:
 
 def convert_file(cfg: ConvertConfig) -> ConvertStats:
     """Read `cfg.generations`, write `cfg.out`; return the stats."""
-    if not cfg.generations:
-        raise SFTDataError("--generations is required (generate.py's JSONL)")
     path = Path(cfg.generations)
-    if not path.is_file():
-        raise SFTDataError(f"--generations {path}: no such file")
-    if problem := output_problem("--out", cfg.out):
+    if problem := _generations_problem(cfg.generations) or output_problem("--out", cfg.out):
         raise SFTDataError(problem)
     if Path(cfg.out).resolve() == path.resolve():
         raise SFTDataError(f"--out {cfg.out} is the --generations file: it would be overwritten")
-    for name in ("min_reward", "min_speedup"):
-        value = getattr(cfg, name)
-        if value is not None and not math.isfinite(value):
-            raise SFTDataError(f"--{name} must be a finite number, got {value!r}")
+    if problems := limit_problems(cfg):
+        raise SFTDataError("; ".join(problems))
     rows, unreadable = _generation_rows(path)
     tasks = cfg.selected_tasks()
     out_rows, stats = generations_to_sft(rows, tasks, cfg.min_reward, cfg.min_speedup, cfg.train_failed_turns)
     stats.skipped = unreadable + stats.skipped  # file lines first, then rows without integer counts
+    if not out_rows:  # an empty SFT set would only fail later, in training
+        raise SFTDataError(f"--generations {path}: no conversation to write ({_none_kept(stats)})")
     try:
         _write_rows(Path(cfg.out), out_rows)
     except OSError as exc:
         raise SFTDataError(f"--out {cfg.out}: cannot write it ({exc.strerror or exc})") from None
     return stats
+
+
+def _generations_problem(generations: str) -> str | None:
+    """Why --generations names no file to read, or None."""
+    if not generations:
+        return "--generations is required (generate.py's JSONL)"
+    path = Path(generations)
+    if path.is_dir():
+        return f"--generations {path}: is a directory, not a file (name generate.py's JSONL)"
+    return None if path.is_file() else f"--generations {path}: no such file"
+
+
+def _none_kept(stats: ConvertStats) -> str:
+    """Why no conversation was kept: what the trajectories and rows were, then the first skipped rows."""
+    counts = {"trajectory(ies)": stats.trajectories, "of no selected task": stats.missing_task,
+              "without a qualifying turn": stats.below_threshold, "unusable row(s)": len(stats.skipped)}
+    text = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
+    if not text:
+        return "the file holds no rows"
+    return text + (f": {first_reasons(stats.skipped)}" if stats.skipped else "")
 
 
 def _write_rows(out: Path, rows: list[dict]) -> None:

@@ -4,6 +4,7 @@ configs, and configs/drkernel_recipe.yaml over the defaults gives the released v
 
 import ast
 import dataclasses
+import os
 import re
 import sys
 import typing
@@ -246,6 +247,13 @@ def test_an_output_below_a_place_nothing_can_be_created_in_is_refused_even_for_r
     assert output_problem("--out", "/proc/drk_none/rows.json") == "--out /proc/drk_none/rows.json: /proc is not writable"
     assert output_problem("--out", str(tmp_path / "new" / "rows.json")) is None
     assert list(tmp_path.iterdir()) == []  # the try leaves nothing behind
+
+
+def test_an_output_that_is_a_device_or_a_pipe_is_refused(tmp_path):
+    """Scripts write files beside their output (a summary, a report): beside /dev/null is /dev.
+    (A pipe here: this machine's /dev/null is a regular file.)"""
+    os.mkfifo(tmp_path / "pipe")
+    assert output_problem("--output", str(tmp_path / "pipe")) == f"--output {tmp_path / 'pipe'}: is not a regular file"
 
 
 def test_an_output_that_is_a_link_to_nothing_is_refused(tmp_path):

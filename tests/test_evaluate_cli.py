@@ -2,7 +2,10 @@
 
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,19 +104,13 @@ def test_resume_after_kill(tmp_path, fake):
     assert summary["num_missing"] == 0 and summary["correct_rate"] == 1.0
     assert summary["skipped_resumed"] == 1 and summary["evaluated_this_run"] == 3
     lines = (out / "results.jsonl").read_text().splitlines()
-    assert lines[0] == first  # finished results are never rewritten
-    assert sorted(r.problem_id for r in _results_tolerant(out)) == [1, 2, 3, 4]
+    assert lines[0] == first  # finished results are kept as written
+    assert sorted(r["problem_id"] for r in _results(out)) == [1, 2, 3, 4]  # the cut line is dropped
 
     # nothing left to do: a third run evaluates nothing and reports the same
     fake["ev"] = FakeEvaluator()
     again = evaluate.main(args)
     assert fake["ev"].evaluated == [] and again["correct_rate"] == 1.0
-
-
-def _results_tolerant(out):
-    rows, bad = evaluate.read_results(out / "results.jsonl")
-    assert len(bad) == 1 and bad[0].startswith("line 2: not a JSON object")  # kept on its own line, skipped
-    return rows
 
 
 def test_resume_reevaluates_changed_candidate(tmp_path, fake):
@@ -244,6 +241,23 @@ def test_unknown_and_undecodable_candidate_files_are_named(tmp_path, fake):
     assert s["num_problems"] == 2 and s["correct_rate"] == 0.5
 
 
+@pytest.mark.parametrize("content, says", [
+    (b"", "it holds none"),
+    (b'\xff\xfe binary\n{"level": "0", "problem_id": 1, "code": "x"}\n[1, 2]\n', "not UTF-8 text"),
+    (json.dumps(_gen(99)).encode() + b"\n", "no such problem among the selected tasks"),
+], ids=["empty", "all_unusable", "no_selected_problem"])
+def test_candidates_without_a_usable_one_are_a_usage_error(tmp_path, fake, capsys, content, says):
+    """Nothing to evaluate is one error line (status 2), not a summary of 0 problems at 0 %."""
+    gen = tmp_path / "gen.jsonl"
+    gen.write_bytes(content)
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--candidates", str(gen), "--output_dir", str(tmp_path / "eval"), "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and says in err[-1]
+    assert err[-1].startswith(f"evaluate.py: error: no usable candidates in {gen} for the selected tasks")
+    assert fake["ev"].calls == [] and not (tmp_path / "eval").exists()
+
+
 def test_reference_error_is_counted_apart_from_the_candidates(tmp_path, fake):
     gen = _write_jsonl(tmp_path / "gen.jsonl", [_gen(1), _gen(2, code="class ModelNew: pass\n# fake: reference_error\n"),
                                                 _gen(3, code="class ModelNew: pass\n# fake: incorrect\n")])
@@ -303,9 +317,45 @@ def test_resume_reevaluates_mistyped_rows_and_names_them(tmp_path, fake, capsys)
     s = evaluate.main(args)
     assert len(fake["ev"].evaluated) == 4 and s["skipped_resumed"] == 0 and s["correct_rate"] == 0.0
     err = capsys.readouterr().err
-    assert "4 line(s) are not usable results, their attempts are evaluated again: line 1: correct is 'yes', not " \
-           "true or false; line 2: speedup is '9', not a number or null; line 3: settings: timeout is '180', not " \
-           "a number; and 1 more" in err
+    assert "dropped 4 line(s) that are not usable results (the old file is kept as results." in err
+    assert "line 1: correct is 'yes', not true or false; line 2: speedup is '9', not a number or null; line 3: " \
+           "settings: timeout is '180', not a number; and 1 more" in err
+    assert "resume: 0 stored result(s) reused, 4 evaluated again, 0 new" in err
+
+
+def test_resume_counts_true_and_unusable_lines_dropped_once(tmp_path, fake, capsys):
+    """Bad lines of results.jsonl: the attempts they name are evaluated again, those of lines that
+    name none are new, and the file is rewritten without them (kept aside), so the next run is clean."""
+    out = tmp_path / "eval"
+    args = ["--output_dir", str(out), "--device", "cpu"]  # the 8 bundled problems
+    evaluate.main(args)
+    path = out / "results.jsonl"
+    lines = path.read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    rows[0]["speedup"] = "9"  # a wrong type: attempt known, evaluated again
+    del rows[1]["settings"]  # no settings: evaluated again
+    damaged = [json.dumps(rows[0]), json.dumps(rows[1]), "garbage", *lines[3:7], lines[7][:40]]  # 2 lines name none
+    original = ("\n".join(damaged) + "\n").encode() + b"\xff\xfe binary\n"
+    path.write_bytes(original)
+    capsys.readouterr()
+    fake["ev"] = FakeEvaluator()
+    s = evaluate.main(args)
+    err = capsys.readouterr().err
+    assert "dropped 5 line(s) that are not usable results" in err
+    assert "resume: 4 stored result(s) reused, 2 evaluated again, 2 new" in err
+    assert "2 x its stored line is not a usable result" in err
+    assert len(fake["ev"].evaluated) == 4
+    assert (s["skipped_resumed"], s["evaluated_again"], s["evaluated_new"]) == (4, 2, 2)
+    (backup,) = out.glob("results.*.jsonl.bak")
+    assert backup.read_bytes() == original
+    kept = path.read_text().splitlines()
+    assert kept[:4] == lines[3:7] and len(kept) == 8  # the good lines as written, then the 4 new ones
+    assert evaluate.read_results(path).bad == []
+
+    fake["ev"] = FakeEvaluator()
+    s = evaluate.main(args)
+    err = capsys.readouterr().err
+    assert "not usable" not in err and fake["ev"].evaluated == [] and s["skipped_resumed"] == 8
 
 
 def _edit_stored_settings(path, **changes):
@@ -430,6 +480,31 @@ def _real_evaluator_usable():
     except Exception:
         return False
     return os.environ.get("DRKERNEL_SKIP_E2E") != "1"
+
+
+@pytest.mark.skipif(not _real_evaluator_usable(), reason="drkernel.evaluator unavailable or DRKERNEL_SKIP_E2E=1")
+def test_ctrl_c_ends_with_one_line_and_keeps_the_finished_results(tmp_path):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) once the first result is saved:
+    status 130, one line naming the results file, no traceback."""
+    out, err = tmp_path / "eval", tmp_path / "stderr.txt"
+    cmd = [sys.executable, str(ROOT / "evaluate.py"), "--output_dir", str(out), "--device", "cpu", "--trials", "1",
+           "--perf_trials", "3", "--chunk_size", "1", "--workers", "1"]  # one evaluation in flight at a time
+    with open(err, "w") as fh:  # a file, not a pipe: nothing has to drain it while the run goes on
+        # SIGINT restored to its default: a shell's background job (this test's, maybe) inherits it ignored
+        proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=fh, start_new_session=True,
+                                env={**os.environ, "TRITON_INTERPRET": "1"},
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.monotonic() + 60
+        while not (out / "results.jsonl").is_file() or not (out / "results.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+    text = err.read_text()
+    assert "Traceback" not in text and 0 < len(_results(out)) < 8
+    (line,) = [ln for ln in text.splitlines() if "interrupted" in ln]
+    assert line == (f"evaluate.py: interrupted; the finished results are in {out / 'results.jsonl'}; run the same "
+                    f"command again (with --resume true, the default) to evaluate only the rest")
 
 
 @pytest.mark.skipif(not _real_evaluator_usable(), reason="drkernel.evaluator unavailable or DRKERNEL_SKIP_E2E=1")

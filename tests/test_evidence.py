@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from drkernel import integrity, ipc, judge, procfs
-from drkernel.channel import Channel, Hacked
+from drkernel.channel import Channel, Hacked, Stop
 from drkernel.evaluator import ConfinementError, EvalConfig, Evaluator
 from drkernel.sandbox import SandboxResult
 from tests.test_evaluator import TASKS, cfg, shared_evaluate, shared_evaluate_many
@@ -537,8 +537,11 @@ def test_launch_patterns_are_learnt_from_checked_calls_and_required_of_the_other
     assert not p.allows(sig(n="S:0"))  # one that never did may not
     assert not p.allows(sig(out="own"))  # the kernel wrote a buffer that is not the output
     assert not p.allows([])  # no launch at all
+    assert not p.allows(sig(grid="(64,)"))  # the first call's own pattern: never checked again
     with pytest.raises(ValueError):
         p.allows([["k(4,)", 5]])
+    only = launch_pattern.Patterns()
+    assert only.learn(sig(grid="(64,)")) and only.allows(sig(grid="(64,)"))  # a single checked call
 
 
 def test_a_launch_pattern_describes_arguments_by_their_exact_type():
@@ -617,17 +620,20 @@ def test_own_kernels_busier_a_profiled_call_than_a_whole_timed_call_mean_the_tim
     assert j.out.hacks == ["launch_pattern_changed"] and "timed calls" in j.details["hack_details"][0]
 
 
-def _profile_with(monkeypatch, own_us) -> judge.Judge:
+def _profile_with(monkeypatch, own_us, works: bool = True) -> judge.Judge:
     """`judge.profile` where each profiled call's trace holds `own_us(signed)` µs of the candidate's
-    kernel and 50 µs of torch's; the kinds asked are kept in `j.details["asked"]`."""
+    kernel and 50 µs of torch's (`own_us` may raise instead, or give None: no trace); the kinds asked are kept in
+    `j.details["asked"]`; `works`: whether the twin's profiled call gave a trace."""
     j = _flow_judge()
     j.flow.most, j.flow.launches, j.flow.needed = {"scratch_kernel": 1}, {"scratch_kernel": 1}, {"scratch_kernel": 1}
     j.out.candidate_ms = 10.0
+    j.ref.profiler_works = works
 
     def profiled(j_, seed, mode, signed=False, keep=False):
         j.details.setdefault("asked", []).append(signed)
-        rows = [["scratch_kernel", 1, own_us(signed)], ["ampere_sgemm", 1, 50.0]]
-        return judge.Call(reply={"profile": {"rows": rows}}, wall_ms=10.0, inputs=[], seed=seed, signed=signed)
+        us = own_us(signed)
+        reply = {} if us is None else {"profile": {"rows": [["scratch_kernel", 1, us], ["ampere_sgemm", 1, 50.0]]}}
+        return judge.Call(reply=reply, wall_ms=10.0, inputs=[], seed=seed, signed=signed)
 
     monkeypatch.setattr(judge.Reference, "cuda", property(lambda self: True))
     monkeypatch.setattr(judge, "call_candidate", profiled)
@@ -652,6 +658,40 @@ def test_own_kernels_must_do_the_same_work_on_both_kinds_of_inputs(monkeypatch):
     assert _profile_with(monkeypatch, lambda signed: 9.0 if signed else 4.0).out.hacks == []
 
 
+def test_a_profiled_call_that_fails_where_the_profiler_works_fails_the_candidate(monkeypatch):
+    """Raising in a profiled call (or sending no trace) would skip every check that only the profile
+    makes (the kinds' work, the timed calls' margin): once the twin's profiled call has shown that
+    the profiler works here, that failure is the candidate's verdict. Where it does not work, the
+    candidate has no share and keeps its verdict."""
+    def raises(signed):
+        if signed:
+            raise Stop("runtime_error", "forward raised RuntimeError: CUPTI_ERROR_NOT_INITIALIZED")
+        return 4.0
+    with pytest.raises(Stop) as err:
+        _profile_with(monkeypatch, raises)
+    assert err.value.verdict == "runtime_error" and "CUPTI" in err.value.error
+    broken = _profile_with(monkeypatch, raises, works=False)
+    assert "CUPTI" in broken.details["profile_error"] and broken.out.triton_time_share is None
+    with pytest.raises(Stop) as err:
+        _profile_with(monkeypatch, lambda signed: None)
+    assert "no kernel trace" in err.value.error
+
+
+def test_the_profiler_probe_trusts_only_a_trace_of_the_twin(monkeypatch):
+    r = _reference()
+    monkeypatch.setattr(judge.Reference, "cuda", property(lambda self: True))
+    for reply, works in (({"profile": {"rows": [["ampere_sgemm", 1, 9.0]]}}, True), ({}, False)):
+        monkeypatch.setattr(judge, "call", lambda *a, reply=reply: judge.Call(reply=reply, wall_ms=1.0, inputs=[], seed=0))
+        judge.probe_profiler(r)
+        assert r.profiler_works is works and r.details["profiler_works"] is works
+
+    def fails(*a):
+        raise Stop("runtime_error", "the profiler failed")
+    monkeypatch.setattr(judge, "call", fails)
+    judge.probe_profiler(r)  # a failing profiler is the machine's: no candidate is blamed
+    assert r.profiler_works is False
+
+
 def test_a_changed_scheduling_of_the_twin_is_caught_and_undone():
     """Where the seccomp layer is missing, a runner that renices the reference's timing process
     during its call is caught after it, and the nice value is put back."""
@@ -669,6 +709,30 @@ def test_a_changed_scheduling_of_the_twin_is_caught_and_undone():
             judge._check_scheduling(j, before)
         assert err.value.code == "reference_slowed"
         assert os.getpriority(os.PRIO_PROCESS, procs[1].pid) == before[procs[1].pid][1]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_the_runner_stays_on_the_timing_core_for_its_whole_hold_of_the_gpu():
+    """Pinned only while timed, a runner reading its CPU set (or the core it runs on) would know its
+    timed calls from its profiled ones and work only where the profile looks: the timed and the
+    profiled calls share one hold of the GPU, and the twin and runner stay pinned for all of it."""
+    import subprocess
+    procs = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    try:
+        j = judge.Judge(ref=judge.Reference(cfg=EvalConfig(device="cpu"), reference_path="",
+                                            twin=Channel(sock=-1, pid=procs[1].pid, dir="")),
+                        runner=Channel(sock=-1, pid=procs[0].pid, dir=""), candidate_path="")
+        wide, j.ref.core = os.sched_getaffinity(procs[0].pid), max(os.sched_getaffinity(0))
+        seen = []
+
+        def look(j_):
+            seen.append((os.sched_getaffinity(procs[0].pid), os.sched_getaffinity(procs[1].pid)))
+        judge._run((look, (look, look), look), j, j.ref, "gpu_alone_s")
+        pinned = ({j.ref.core}, {j.ref.core})
+        assert seen == [(wide, wide), pinned, pinned, (wide, wide)]
     finally:
         for p in procs:
             p.kill()
@@ -722,6 +786,23 @@ def test_the_calibration_stand_in_is_made_once_so_no_null_call_pays_its_copy(mon
         reply = r.call({"op": "call", "mode": "null", "seed": seed})
         assert "error" not in reply and "mismatch" not in reply, reply
     assert len(made) == 1
+
+
+def test_a_launch_on_host_memory_is_refused_on_a_gpu_run(tmp_path):
+    """A GPU kernel can read and write pinned host memory: kernels that only copy to and from it
+    would be all the device trace shows (a share of 1.0) while torch computes on the CPU."""
+    import types
+
+    import torch
+
+    from drkernel import runner
+    kernel = types.SimpleNamespace(pre_run_hooks=[])
+    for device_type, refused in (("cpu", False), ("cuda", True)):
+        rec = runner.LaunchRecorder(str(tmp_path / "c.py"), device_type)
+        rec.argument_types = runner._launch_argument_types()
+        why = rec._refused(kernel, {"x_ptr": torch.ones(4), "n": 4}, {})
+        assert (why is not None) == refused, why
+    assert "x_ptr is a tensor on cpu, not on the run's cuda" in rec._refused(kernel, {"x_ptr": (torch.ones(2),)}, {})
 
 
 def test_the_runner_keeps_no_checked_output_alive_but_still_sees_a_cached_one(tmp_path):

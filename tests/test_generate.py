@@ -4,6 +4,8 @@ with the real evaluator, and evaluate.py reading the output."""
 
 import dataclasses
 import json
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -161,6 +163,9 @@ def test_bad_config_is_a_clear_error(capsys):
                       (["--stts_window", "-1"], "stts_window must be >= 0"),
                       (["--api_base_url", "http://127.0.0.1:9/v1"], "--api_base_url needs --api_model"),
                       (["--api_base_url", "localhost:9", "--api_model", "m", "--device", "cpu"], "http://"),
+                      (["--api_base_url", "http://127.0.0.1:9/v1", "--api_model", "m", "--model", "x", "--dtype",
+                        "bf16"], "--model x, --dtype bf16 would be ignored: with --api_base_url the endpoint is the "
+                                 "policy and no local model loads; drop one of them"),
                       (["--backend", "vllm"], "backend must be hf or static"),
                       (["--num_turns", "two"], "bad value for num_turns: 'two'"),
                       (["--api_timeout", "0"], "api_timeout must be > 0"),
@@ -210,6 +215,24 @@ def test_a_report_file_of_the_wrong_kind_stops_the_run_before_the_model_loads(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["g_report"]
 
 
+def test_ctrl_c_ends_the_script_with_one_line_and_status_130(tmp_path):
+    """SIGINT once the start line is out (the model is loading): the shell's status for an interrupt
+    and one line saying how to resume, no traceback (train.py ends the same way: `interruptible`)."""
+    out = tmp_path / "g.jsonl"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--problem_ids", "1", "--device", "cpu",
+                             "--output", str(out)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr.readline().startswith("generate.py: settings: ")
+        proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read()
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+    assert "Traceback" not in err, err
+    assert [line for line in err.splitlines() if "interrupted" in line] == [
+        "generate.py: interrupted; the rows of finished batches are in --output; rerun the same command to resume"]
+
+
 @pytest.mark.usefixtures("counting_policy")
 def test_help_and_start_line_name_the_base_configuration(capsys, tmp_path, fake_eval):
     with pytest.raises(SystemExit) as exc:
@@ -222,6 +245,12 @@ def test_help_and_start_line_name_the_base_configuration(capsys, tmp_path, fake_
     first = capsys.readouterr().err.splitlines()[0]
     assert first.startswith("generate.py: settings: the library defaults") and first.endswith("; policy: model smollm2")
     assert f"problem_ids=1, device=cpu, num_turns=1, output={tmp_path / 'g.jsonl'}" in first
+    # a window as long as a round leaves each later round one new turn: said on the next line
+    generate.main(["--problem_ids", "1", "--device", "cpu", "--num_turns", "1", "--stts_iterations", "2",
+                   "--output", str(tmp_path / "s.jsonl")])
+    assert capsys.readouterr().err.splitlines()[1] == (
+        "generate.py: note: --stts_window 4 is not below --num_turns 1: each later round adds 1 turn (the kept "
+        "window counts toward --num_turns; --stts_window_counts false adds --num_turns)")
 
 
 # ----------------------------------------------------------------------------- API policy

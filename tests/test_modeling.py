@@ -140,6 +140,18 @@ def test_a_model_that_cannot_be_loaded_is_one_clear_error(tmp_path):
         load_model(str(tmp_path), dtype="foo")
 
 
+@pytest.mark.parametrize("cut", ["header", "4000 bytes"])
+def test_a_gguf_file_cut_short_is_one_clear_error(tmp_path, cut):
+    """The GGUF reader unpacks past the end of a cut file (struct.error): one line, like any bad model."""
+    from drkernel.modeling import ModelLoadError, load_model, load_tokenizer
+
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(b"GGUF\x03\x00\x00\x00" if cut == "header" else modeling.smollm2_gguf().read_bytes()[:4000])
+    for load, what in ((load_tokenizer, "tokenizer"), (load_model, "model")):
+        with pytest.raises(ModelLoadError, match=f"^cannot load a {what} from '{bad}': the file is cut short or damaged"):
+            load(str(bad))
+
+
 def test_train_refuses_a_missing_gpu_for_evaluation_at_the_start(capsys, fresh_accelerate_state, tmp_path):
     import torch
 

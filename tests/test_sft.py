@@ -540,11 +540,11 @@ def test_generations_of_another_task_set_are_skipped_and_named(generations, tmp_
     folder.mkdir()
     (folder / "1_Softmax.py").write_text(load_bundled([4])[0].code)
     out = tmp_path / "sft.jsonl"
-    assert sft_data.main(["--generations", str(generations), "--tasks", str(folder), "--out", str(out)]) == 0
-    captured = capsys.readouterr()
-    assert json.loads(captured.out.strip().splitlines()[-1])["kept"] == 0 and out.read_text() == ""
-    assert "skipped 8 unusable row(s): row 1: answers another task than 1_Softmax.py: task '1_ReLU.py' " \
-           "(not '1_Softmax.py'); row 2: " in captured.err
+    assert sft_data.main(["--generations", str(generations), "--tasks", str(folder), "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()  # nothing kept: an error, no empty file
+    assert line.startswith(f"drkernel.sft_data: error: --generations {generations}: no conversation to write (")
+    assert "8 unusable row(s): row 1: answers another task than 1_Softmax.py: task '1_ReLU.py' " \
+           "(not '1_Softmax.py'); row 2: " in line and not out.exists()
 
     relu = load_bundled([1])[0]
     good = json.loads(generations.read_text().splitlines()[1])  # problem 1, correct
@@ -553,6 +553,43 @@ def test_generations_of_another_task_set_are_skipped_and_named(generations, tmp_
     assert [(r["problem_id"], r["sample"]) for r in converted] == [(1, 0)]  # the row that names its task
     assert stats.skipped == [f"row 1: answers another task than 1_ReLU.py: task_sha '{'0' * 16}' (not '{relu.digest}')",
                              "row 2: names no task (no `task` column): it may answer another task than 1_ReLU.py"]
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"", "(the file holds no rows)"),
+    (b'\xff binary\n{"level": "one"}\n', "(2 unusable row(s): line 1: not UTF-8 text (byte 1); line 2: missing key(s) "),
+    (json.dumps(gen_row(1, 0, 1, "incorrect", 0.0, code=KERNEL_B)).encode() + b"\n",
+     "(1 trajectory(ies), 1 without a qualifying turn)"),
+], ids=["empty", "all_unusable", "none_qualifies"])
+def test_generations_without_a_conversation_exit_2(tmp_path, capsys, content, says):
+    """No conversation to write is one error line (status 2), and no empty --out is left behind."""
+    gen, out = tmp_path / "gen.jsonl", tmp_path / "sft.jsonl"
+    gen.write_bytes(content)
+    assert sft_data.main(["--generations", str(gen), "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert line.startswith(f"drkernel.sft_data: error: --generations {gen}: no conversation to write ") and says in line
+    assert captured.out == "" and not out.exists()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--generations", "{tmp}"], "--generations {tmp}: is a directory, not a file"),
+    (["--generations", "{gen}", "--min_speedup", "-1"], "min_speedup must be > 0, got -1.0"),
+    (["--generations", "{gen}", "--min_speedup", "0"], "min_speedup must be > 0, got 0.0"),
+    (["--generations", "{gen}", "--min_reward", "inf"], "min_reward must be a finite number, got inf"),
+], ids=["directory", "negative_speedup", "zero_speedup", "infinite_reward"])
+def test_generations_cli_names_a_bad_option(generations, tmp_path, capsys, flags, says):
+    out = tmp_path / "sft.jsonl"
+    flags = [f.format(tmp=tmp_path, gen=generations) for f in flags]
+    assert sft_data.main(flags + ["--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"drkernel.sft_data: error: {says.format(tmp=tmp_path)}") and not out.exists()
+
+
+def test_generations_cli_writes_below_outputs_by_default(generations, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default --out is relative: outputs/ of the working directory, as README's
+    assert sft_data.main(["--generations", str(generations)]) == 0
+    assert [p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.jsonl")] == ["gen.jsonl", "outputs/sft.jsonl"]
 
 
 @pytest.mark.parametrize("out, says", [("", "--out is empty (name a file)"),

@@ -428,6 +428,31 @@ def test_train_py_dispatches_the_sft_stage(monkeypatch):
     assert train.main(["--stage", "dpo"]) == 2
 
 
+def test_ctrl_c_in_train_py_is_one_line_and_status_130(monkeypatch, capsys):
+    """train.py run as a script: an interrupt inside a stage ends it through `interruptible` (the
+    subprocess test of the signal itself is generate.py's)."""
+    import runpy
+
+    from drkernel import trainer
+
+    def interrupted(argv, preset, prog):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "main", interrupted)
+    monkeypatch.setattr(sys, "argv", ["train.py", "--max_steps", "1"])
+    try:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    except KeyboardInterrupt:  # caught here, or it would stop the whole test session
+        pytest.fail("the interrupt escaped train.py as a traceback")
+    except SystemExit as exc:
+        assert exc.code == 130
+    else:
+        pytest.fail("train.py went on after the interrupt")
+    assert capsys.readouterr().err.splitlines() == [
+        "train.py: interrupted; the checkpoints saved so far are in its output_dir; the same command plus "
+        "--resume_from auto continues"]
+
+
 def test_update_bench_runs_on_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_update", ROOT / "bench" / "update.py")
     bench = importlib.util.module_from_spec(spec)

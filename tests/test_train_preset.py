@@ -47,8 +47,10 @@ class FakeTrainer:
 
 
 @pytest.fixture
-def built(monkeypatch):
-    """The configs the RL and SFT stages were started with, in order."""
+def built(monkeypatch, tmp_path):
+    """The configs the RL and SFT stages were started with, in order. The tests run in an empty
+    directory: a bare run's output_dir (runs/rl) is relative, and one holding a run is refused."""
+    monkeypatch.chdir(tmp_path)
     seen = []
     monkeypatch.setattr(FakeTrainer, "built", seen)
     monkeypatch.setattr(trainer, "Trainer", FakeTrainer)
@@ -242,10 +244,34 @@ def test_resuming_a_damaged_checkpoint_names_the_file_and_exits_2(train, built, 
         assert err[1].startswith("train.py: error: ") and says in err[1]
 
 
-def test_auto_resume_says_which_cut_save_it_passes_over(train, built, capsys, tmp_path):
-    out = tmp_path / "run"
+def test_auto_resume_without_a_complete_checkpoint_says_a_new_run_starts(train, built, capsys):
+    out = Path("run")  # in the test's empty working directory
+    status, err = run(train, ["--output_dir", str(out), "--resume_from", "auto"], capsys)
+    assert status == 0 and err[1:] == [f"train.py: warning: no complete checkpoint in {out}; starting a new run"]
     (out / "checkpoint-3").mkdir(parents=True)  # a save killed before its trainer_state.json
     status, err = run(train, ["--output_dir", str(out), "--resume_from", "auto"], capsys)
-    assert status == 0 and len(built) == 1
-    assert err[-1] == f"train.py: warning: {out / 'checkpoint-3'} has no trainer_state.json (its save was cut off): " \
-                      f"starting afresh"
+    assert status == 0 and len(built) == 2
+    assert err[1:] == [f"train.py: warning: no complete checkpoint in {out} (checkpoint-3 is incomplete); "
+                       f"starting a new run"]
+    make_checkpoint(out, built[0], step=1)
+    status, err = run(train, ["--output_dir", str(out), "--resume_from", "auto"], capsys)
+    assert status == 0 and err[-1] == (f"train.py: warning: {out / 'checkpoint-3'} has no trainer_state.json (its "
+                                       f"save was cut off): resuming {out / 'checkpoint-1'}")
+
+
+@pytest.mark.parametrize("stage", [[], ["--stage", "sft"]])
+def test_a_new_run_refuses_an_output_dir_holding_a_previous_run(train, built, capsys, tmp_path, stage):
+    """The README's bare command twice: the second run would append to the first's metrics.jsonl and
+    leave its checkpoints beside the new ones. It stops; --resume_from auto continues it."""
+    preset = train.STAGES[stage[-1] if stage else "rl"].preset
+    out = Path("runs") / (stage[-1] if stage else "rl")  # the bare run's, relative to the (empty) working directory
+    assert run(train, stage, capsys)[0] == 0 and parse_config(type(built[0]), ["--config", str(preset)]) == built[0]
+    assert str(out) == built[0].output_dir
+    make_checkpoint(out, built[0], step=7)
+    (out / "metrics.jsonl").write_text('{"step": 7}\n')
+    status, err = run(train, stage, capsys)
+    assert status == 2 and len(built) == 1 and err[1:] == [
+        f"train.py: error: {out} holds a previous run (checkpoint-7, metrics.jsonl); pass --resume_from auto to "
+        f"continue it, or another --output_dir"]
+    assert run(train, stage + ["--resume_from", "auto", "--max_steps", "9"], capsys)[0] == 0
+    assert run(train, stage + ["--output_dir", "runs/other"], capsys)[0] == 0 and len(built) == 3
