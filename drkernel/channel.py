@@ -23,6 +23,9 @@ from drkernel import ipc, procfs
 from drkernel.ipc import kill_note, read_output
 
 _CUDA_FAULTS = ("CUDA error", "illegal memory access", "device-side assert")
+# A killed process stays in /proc until the kernel has freed its memory (about 0.1 s a GB, seconds
+# at the memory limit): the next candidate's turn must not find it and be blamed for it
+STRAYS_GONE_S = 15.0
 
 
 class Stop(Exception):
@@ -157,14 +160,12 @@ class Channel:
             if not procfs.alive(self.pid):
                 break
             time.sleep(0.001)
-        for _ in range(100):  # again while a stray is still forking
-            strays = self.strays()
-            if not strays:
-                return
+        deadline = time.monotonic() + STRAYS_GONE_S
+        while (strays := self.strays()) and time.monotonic() < deadline:  # again while one still forks
             for pid in strays:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-            time.sleep(0.001)
+            time.sleep(0.002)
 
     def output(self, name: str, limit: int) -> str:
         """What the runner printed (`stdout` or `stderr` in its directory), head and tail."""

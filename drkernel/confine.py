@@ -24,7 +24,8 @@ Layers, each recorded in a `Confinement` report (the judge copies it to
     priority, scheduling, CPU set or I/O priority (`prlimit64`, `setpriority`, `sched_set*`,
     `ioprio_set`) are refused (EPERM) unless they name this process; Landlock does not cover
     them, and a runner could otherwise blind the judge (its open-file limit) or slow the
-    reference and the other candidates of its job. `io_uring_setup` is refused outright (a ring's
+    reference and the other candidates of its job. Signals go only to this process or its own
+    group (Landlock scopes them from ABI 6 only). `io_uring_setup` is refused outright (a ring's
     queued I/O runs in kernel workers, after the runner is stopped). Other architectures' calls
     are refused.
 
@@ -241,15 +242,22 @@ def restrict(job_dir: str, report: Confinement, hidden: list[str] | tuple[str, .
 # argument that must be "a process", its value)}) per architecture (asm/unistd_64.h)
 _SECCOMP_ARCHES = {
     "x86_64": (0xC000003E, 317, {302: (0, None, 0), 141: (1, 0, 0), 142: (0, None, 0), 144: (0, None, 0),
-                                 203: (0, None, 0), 314: (0, None, 0), 251: (1, 0, 1)}),
+                                 203: (0, None, 0), 314: (0, None, 0), 251: (1, 0, 1),
+                                 # signals (kill, tkill, tgkill, rt_sigqueueinfo, rt_tgsigqueueinfo,
+                                 # pidfd_open): Landlock scopes them only from its ABI 6 (Linux 6.12)
+                                 62: (0, None, 0), 200: (0, None, 0), 234: (0, None, 0), 129: (0, None, 0),
+                                 297: (0, None, 0), 434: (0, None, 0)}),
     "aarch64": (0xC00000B7, 277, {261: (0, None, 0), 140: (1, 0, 0), 118: (0, None, 0), 119: (0, None, 0),
-                                  122: (0, None, 0), 274: (0, None, 0), 30: (1, 0, 1)}),
+                                  122: (0, None, 0), 274: (0, None, 0), 30: (1, 0, 1),
+                                  129: (0, None, 0), 130: (0, None, 0), 131: (0, None, 0), 138: (0, None, 0),
+                                  240: (0, None, 0), 434: (0, None, 0)}),
 }
 _SETAFFINITY = {"x86_64": 203, "aarch64": 122}  # sched_setaffinity
 # io_uring_setup: a ring's kernel workers carry out its queued I/O after the runner is stopped and
 # outside this filter. Without setup no ring exists (none is made before confinement), and
 # io_uring_enter and io_uring_register act on a ring's descriptor only: refusing setup suffices
 _IO_URING_SETUP = {"x86_64": 425, "aarch64": 425}
+_PIDFD_SEND_SIGNAL = {"x86_64": 424, "aarch64": 424}  # a /proc/<pid> directory is a pidfd too
 _ALLOW, _EPERM = 0x7FFF0000, 0x00050001  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
 _LD, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
 
@@ -294,7 +302,7 @@ def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:
         report.errors.append(f"seccomp: no syscall table for {machine}")
         return
     audit, sys_seccomp, guarded = arch
-    denied = (_IO_URING_SETUP[machine], *((_SETAFFINITY[machine],) if fixed_cores else ()))
+    denied = (_IO_URING_SETUP[machine], _PIDFD_SEND_SIGNAL[machine], *((_SETAFFINITY[machine],) if fixed_cores else ()))
     prog = _own_process_program(audit, guarded, os.getpid(), denied)
     filters = (_SockFilter * len(prog))(*[_SockFilter(c, jt, jf, k) for c, jt, jf, k in prog])
     fprog = _SockFprog(len(prog), filters)

@@ -1,7 +1,7 @@
 """Evaluation cache: a verdict measured once is reused wherever the same question is asked again.
 
 A result is keyed by a sha256 of the reference code, the candidate code, the evaluation settings
-that can change a verdict, `CACHE_VERSION` and an environment fingerprint (GPU name, driver, CUDA,
+that can change a verdict, `CACHE_VERSION`, a digest of this package's sources and an environment fingerprint (GPU name, driver, CUDA,
 torch and triton versions; on CPU the CPU model instead of GPU and driver). The store is a
 directory of JSON files, one per key in 256 shard folders, written atomically (temporary file +
 `os.replace`), so several processes and ranks may share one directory; an unreadable,
@@ -159,10 +159,21 @@ def verdict_settings(cfg: EvalConfig) -> dict:
 
 
 
+@functools.cache
+def judge_digest() -> str:
+    """sha256 of this package's sources: a verdict stored by other judging code (before a fix to a
+    defence, say) is not this code's verdict."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    parts = [f"{name}\0{text_digest(open(os.path.join(package, name), encoding='utf-8').read())}"
+             for name in sorted(os.listdir(package)) if name.endswith(".py")]
+    return text_digest("\n".join(parts))
+
+
 def cache_key(reference_code: str, candidate_code: str, cfg: EvalConfig, env: Mapping[str, str]) -> str:
-    """sha256 (hex) of the version, both programs' exact text, the verdict settings and `env`."""
-    recipe = {"version": CACHE_VERSION, "reference": text_digest(reference_code), "candidate": text_digest(candidate_code),
-              "settings": verdict_settings(cfg), "environment": dict(env)}
+    """sha256 (hex) of the version, the judging code, both programs' exact text, the verdict
+    settings and `env`."""
+    recipe = {"version": CACHE_VERSION, "judge": judge_digest(), "reference": text_digest(reference_code),
+              "candidate": text_digest(candidate_code), "settings": verdict_settings(cfg), "environment": dict(env)}
     return text_digest(json.dumps(recipe, sort_keys=True, separators=(",", ":"), default=repr))
 
 

@@ -66,6 +66,16 @@ def test_key_changes_with_either_program_and_every_fingerprint_field():
     assert len(base) == 64 and int(base, 16) >= 0
 
 
+def test_key_changes_with_the_judging_code(monkeypatch):
+    """A verdict stored before a fix to a defence must not be served by the fixed code."""
+    from drkernel import evalcache
+    base = cache_key(REF, CAND, EvalConfig(), ENV)
+    monkeypatch.setattr(evalcache, "judge_digest", lambda: "another judge")
+    assert cache_key(REF, CAND, EvalConfig(), ENV) != base
+    monkeypatch.undo()
+    assert evalcache.judge_digest() == evalcache.judge_digest.__wrapped__()  # the package's sources as on disk
+
+
 def test_code_with_a_lone_surrogate_is_keyed_stored_and_found(tmp_path):
     """A lone surrogate arrives inside valid JSON (an API reply, a JSONL row): hashed as it is."""
     odd = CAND + "# \udcff\n"

@@ -739,6 +739,25 @@ def test_the_runner_stays_on_the_timing_core_for_its_whole_hold_of_the_gpu():
             p.wait()
 
 
+def test_a_turn_ends_only_once_its_strays_are_gone(monkeypatch):
+    """A killed child that held gigabytes stays in /proc for a while (its memory is freed first):
+    ended sooner, the turn leaves it to be found in the next candidate's and blamed on it
+    (`thread_spawned`, cached). A stray here stays for 0.4 s after the runner is gone."""
+    import subprocess
+
+    from drkernel import channel
+    runner = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    gone_at = time.monotonic() + 0.4
+    ghost = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{p}"))
+    monkeypatch.setattr(channel.Channel, "strays", lambda self: [ghost] if time.monotonic() < gone_at else [])
+    try:
+        Channel(sock=-1, pid=runner.pid, dir="").kill()
+        assert time.monotonic() >= gone_at
+    finally:
+        runner.kill()
+        runner.wait()
+
+
 def test_each_profiled_call_frees_its_buffers_before_the_next(monkeypatch):
     """At full KernelBench sizes one more input/output pair is more than a GPU holds (level 1's
     L1Norm on an 80 GB card): a profiled call's inputs and output copy die before the next call

@@ -347,6 +347,23 @@ def _confined_scheduling_changes(parent: int, fixed_cores: bool = False) -> list
             _succeeds(lambda: os.sched_setaffinity(0, os.sched_getaffinity(0)))]
 
 
+def _confined_signals(parent: int) -> list[bool]:
+    """Under the seccomp layer alone: [installed, whether a signal reaches `parent`, this process,
+    this process's own group] (the other signal calls: the program test below)."""
+    report = confine.Confinement()
+    confine._own_process_only(report)
+    return [report.own_process_only, _succeeds(lambda: os.kill(parent, 0)),
+            _succeeds(lambda: os.kill(os.getpid(), 0)), _succeeds(lambda: os.kill(0, 0))]
+
+
+def test_a_confined_process_cannot_signal_another_process():
+    """Landlock scopes signals only from its ABI 6 (Linux 6.12); below it a runner could kill the
+    reference's timing process (the next candidates of its group then crashed, cached). The seccomp
+    layer lets signals reach only the process itself and its own group."""
+    got = _in_a_child(_confined_signals, os.getpid())
+    assert got == "[True, False, True, True]", got
+
+
 def test_a_confined_process_cannot_change_another_process():
     """The seccomp layer: resource limits, priority and scheduling of another process (the judge,
     the reference's timing process, the other runners) cannot be changed; its own still can."""
@@ -418,8 +435,9 @@ def test_the_seccomp_program_of_every_architecture(machine, fixed_cores):
     CPU set is too."""
     audit, _, guarded = confine._SECCOMP_ARCHES[machine]
     io_uring = confine._IO_URING_SETUP[machine]
-    denied = (io_uring, *((confine._SETAFFINITY[machine],) if fixed_cores else ()))
+    denied = (io_uring, confine._PIDFD_SEND_SIGNAL[machine], *((confine._SETAFFINITY[machine],) if fixed_cores else ()))
     prog = confine._own_process_program(audit, guarded, 4242, denied)
+    assert _bpf_verdict(prog, confine._PIDFD_SEND_SIGNAL[machine], [3, 9], audit) == "refused"
     assert _bpf_verdict(prog, 1, [], audit + 1) == "refused"  # another architecture
     assert _bpf_verdict(prog, 0x40000001, [], audit) == "refused"  # x32
     assert _bpf_verdict(prog, 1, [], audit) == "allow"
