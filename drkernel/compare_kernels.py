@@ -115,7 +115,9 @@ class Answer:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(-1)
+    """`t`'s elements in order, contiguous: the kernels read memory from the start on (a strided
+    view, such as one column, reshaped to 1-D is still a strided view)."""
+    return t.detach().reshape(-1).contiguous()
 
 
 def _grid(n: int, device: torch.device) -> tuple[int, int, int]:

@@ -72,6 +72,26 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def unnamed_file_bytes(pids: list[int]) -> int:
+    """Bytes allocated to the files `pids` hold open that no name leads to any more (memfds,
+    deleted files), each file once: a walk of the directories never sees them."""
+    seen, total = set(), 0
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if st.st_nlink == 0 and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
 def live_tasks(pid: int) -> list[Stat]:
     """/proc/<pid>/task/<tid>/stat of each thread of `pid` that has not exited. A process whose
     main thread exited while another runs reads as a zombie ("Z") in /proc/<pid>/stat: it is

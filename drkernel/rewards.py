@@ -120,7 +120,8 @@ def score(result: EvalResult, cfg: RewardConfig | None = None) -> float:
 
 
 def prs_keep_prob(share: float | None, cfg: RewardConfig | None = None) -> float:
-    """clamp((share - threshold) / width, 0, 1) for a correct turn; 1.0 when PRS is disabled.
+    """clamp((share - threshold) / width, 0, 1) for a correct turn, the share to two decimals; 1.0
+    when PRS is disabled.
     A missing share reads as 0 (`prs_missing_profile="reject"`) or keeps the turn ("keep")."""
     cfg = cfg or RewardConfig()
     s = finite(share)
@@ -130,6 +131,7 @@ def prs_keep_prob(share: float | None, cfg: RewardConfig | None = None) -> float
         if cfg.prs_missing_profile == "keep":
             return 1.0
         s = 0.0
+    s = round(s, 2)  # as KernelGYM reads it (its reward manager formats the share to two decimals)
     if cfg.prs_width <= 0:
         return 1.0 if s >= cfg.prs_threshold else 0.0
     return min(1.0, max(0.0, (s - cfg.prs_threshold) / cfg.prs_width))

@@ -485,8 +485,13 @@ def _kill_runner(runner_dir: str, group: int, why: str) -> None:
 
 
 def _kill_runners_over_disk(runners: list[tuple[str, int]], limit_mb: int) -> None:
+    """A runner whose files (those in its directory, and those its processes hold open with no name
+    left: deleted files, memfds) take more than `limit_mb` is killed."""
     for runner_dir, runner_pid in runners:
-        if not os.path.exists(kill_note(runner_dir, runner_pid)) and _disk_mb(runner_dir) > limit_mb:
+        if os.path.exists(kill_note(runner_dir, runner_pid)):
+            continue
+        unnamed = procfs.unnamed_file_bytes([runner_pid, *procfs.descendants(runner_pid)]) / 2**20
+        if _disk_mb(runner_dir) + unnamed > limit_mb:
             _kill_runner(runner_dir, runner_pid, f"it wrote more than {limit_mb} MB of files")
 
 

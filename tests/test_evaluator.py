@@ -301,6 +301,19 @@ def test_chunked_comparison_matches_whole_tensor(monkeypatch):
     assert ev.degenerate(zeros_like_answer, tiny_ref, [torch.rand(5)], EvalConfig()) is not None
 
 
+def test_a_strided_reference_output_is_compared_element_by_element():
+    """A reference that returns one column of a matrix (a 1-D view with a stride): the comparison
+    kernels read memory in order, so a view must be made contiguous first, or the first 64 elements
+    of row 0 would pass for the column."""
+    import torch
+    from drkernel import compare as ev
+    m = 2 * torch.rand(64, 128)
+    column = m[:, 0]
+    assert ev.compare(column.clone(), column, EvalConfig()).ok
+    assert not ev.compare(m.reshape(-1)[:64].clone(), column, EvalConfig()).ok
+    assert ev.all_finite(column) and ev.degenerate(column.clone(), column, [m], EvalConfig()) is None
+
+
 def test_fast_comparison_agrees_with_the_detailed_one(monkeypatch):
     """`_compare_tensor` decides passing outputs in one kernel pass and falls back to the detailed
     float64 pass for anything that fails or is non-finite; both must give the same verdict and the

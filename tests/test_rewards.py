@@ -56,6 +56,9 @@ def test_prs_prob():
     assert prs_keep_prob(0.35, cfg) == pytest.approx(0.5)
     assert prs_keep_prob(0.9, cfg) == 1.0
     assert prs_keep_prob(0.1, RewardConfig(prs_enabled=False)) == 1.0
+    # KernelGYM's reward manager reads the share to two decimals
+    assert prs_keep_prob(0.334, cfg) == pytest.approx(0.3) and prs_keep_prob(0.304, cfg) == 0.0
+    assert prs_keep_prob(0.396, cfg) == 1.0
 
 
 def test_prs_keep():

@@ -383,3 +383,28 @@ def test_a_runner_whose_directory_outgrows_the_disk_limit_is_killed_alone(tmp_pa
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     assert "more than 2 MB" in Path(sandbox.kill_note(str(runner_dir), pid)).read_text()
+
+
+def test_files_a_runner_holds_open_with_no_name_count_toward_its_disk_limit(tmp_path):
+    """A deleted file kept open, or a memfd (memory no process's RSS counts), is seen by no walk of
+    the directory: both count as the runner's files."""
+    from drkernel import sandbox
+    runner_dir = tmp_path / "runner1"
+    runner_dir.mkdir()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the stand-in runner: 2 MB deleted, 2 MB in a memfd
+        os.setsid()
+        fd = os.open(runner_dir / "gone", os.O_CREAT | os.O_WRONLY)
+        os.posix_fallocate(fd, 0, 2 * 2**20)
+        os.unlink(runner_dir / "gone")
+        os.write(os.memfd_create("held"), b"x" * 2 * 2**20)
+        os.write(ready_w, b"1")
+        time.sleep(30)
+        os._exit(0)
+    os.read(ready_r, 1)
+    sandbox._kill_runners_over_disk([(str(runner_dir), pid)], limit_mb=5)
+    assert os.waitpid(pid, os.WNOHANG) == (0, 0)  # 4 MB: left alone
+    sandbox._kill_runners_over_disk([(str(runner_dir), pid)], limit_mb=3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
