@@ -1253,13 +1253,21 @@ def _roofline(j: Judge, cand_ms: float) -> float:
 def profile(j: Judge) -> None:
     """The share of device time in the candidate's own Triton kernels that do work the output
     needs, from `_PROFILED_CALLS` calls on fresh inputs of both kinds, each verified like a checked
-    call (a candidate that answers otherwise under the profiler is caught). The runner's kernel traces are
-    classified here, by the kernels the candidate's source declares, and believed only as far as
-    the judge can check them (`_profile_doubt`)."""
-    r = j.ref
-    if not (r.cuda and j.cfg.profile):
-        j.mark("profiling")
-        return
+    call (a candidate that answers otherwise under the profiler is caught). The runner's kernel
+    traces are classified here, by the kernels the candidate's source declares, and believed only
+    as far as the judge can check them (`_profile_doubt`)."""
+    if j.ref.cuda and j.cfg.profile:
+        traces = _profiled_traces(j)
+        if traces is not None:
+            _judge_traces(j, *traces)
+    j.mark("profiling")
+
+
+def _profiled_traces(j: Judge) -> tuple[list[tuple[str, int, float]], float, list[tuple[bool, float]]] | None:
+    """The profiled calls' kernel rows, the judge's milliseconds for them, and per call its kind of
+    inputs and the µs of the candidate's own kernels; None where the profiler fails on this machine
+    (no share). Where the twin's profiled call gave a trace, a failing call or a missing trace is
+    the candidate's doing: its verdict."""
     rows, wall_ms, own_us = [], 0.0, []
     try:
         for i, signed in enumerate(_profiled_kinds(j)):
@@ -1267,23 +1275,28 @@ def profile(j: Judge) -> None:
             rows, wall_ms = rows + call_rows, wall_ms + call_ms
             own_us.append((signed, sum(max(us, 0.0) for name, _, us in call_rows if name.strip() in j.kernels)))
     except Stop as err:
-        if r.profiler_works:  # the twin's profile ran: the candidate's forward or runner failed
+        if j.ref.profiler_works:
             raise
-        j.details["profile_error"] = err.error[:300]  # the profiler fails on this machine: no share
-        rows = []
-    if not rows and r.profiler_works:
+        j.details["profile_error"] = err.error[:300]
+        return None
+    if not rows and j.ref.profiler_works:
         raise Stop("runtime_error", "the profiled calls sent no kernel trace, where the reference's had one")
-    if rows:  # these can only cost the candidate: also where the traces are doubted
-        _timed_calls_ran_them(j, [us for _, us in own_us])
-        _same_work_on_both_kinds(j, own_us)
-        summary = profiling.summarize_kernels(rows, set(j.kernels), j.flow.fractions())
-        doubt = _profile_doubt(j, summary, rows, wall_ms)
-        if doubt:
-            j.details["profile_rejected"] = doubt
-        else:
-            j.out.triton_time_share = summary["triton_time_share"]
-            j.out.kernels = summary["kernels"]
-    j.mark("profiling")
+    return (rows, wall_ms, own_us) if rows else None
+
+
+def _judge_traces(j: Judge, rows: list[tuple[str, int, float]], wall_ms: float,
+                  own_us: list[tuple[bool, float]]) -> None:
+    """The checks only the traces make (they can only cost the candidate, so they count even where
+    the traces are doubted), then the share, where the traces can be believed."""
+    _timed_calls_ran_them(j, [us for _, us in own_us])
+    _same_work_on_both_kinds(j, own_us)
+    summary = profiling.summarize_kernels(rows, set(j.kernels), j.flow.fractions())
+    doubt = _profile_doubt(j, summary, rows, wall_ms)
+    if doubt:
+        j.details["profile_rejected"] = doubt
+    else:
+        j.out.triton_time_share = summary["triton_time_share"]
+        j.out.kernels = summary["kernels"]
 
 
 _PROFILED_CALLS = 3
