@@ -1273,7 +1273,8 @@ def _profiled_traces(j: Judge) -> tuple[list[tuple[str, int, float]], float, lis
         for i, signed in enumerate(_profiled_kinds(j)):
             call_rows, call_ms = _profiled_call(j, i, signed)
             rows, wall_ms = rows + call_rows, wall_ms + call_ms
-            own_us.append((signed, sum(max(us, 0.0) for name, _, us in call_rows if name.strip() in j.kernels)))
+            own_us.append((signed, sum(max(us, 0.0) for name, _, us in call_rows
+                                       if profiling.is_candidate_name(name, j.kernels))))
     except Stop as err:
         if j.ref.profiler_works:
             raise

@@ -47,14 +47,13 @@ import ast
 import dataclasses
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from drkernel import metrics
 from drkernel.config import FINITE, POSITIVE, TaskSelection, limit_problems, output_problem
-from drkernel.jsonl import finite, first_reasons, iter_jsonl
+from drkernel.jsonl import finite, first_reasons, iter_jsonl, rewrite_jsonl
 from drkernel.tasks import UNPARSABLE, Task, text_digest
 
 IGNORE_INDEX = -100
@@ -565,7 +564,7 @@ def convert_file(cfg: ConvertConfig) -> ConvertStats:
     if not out_rows:  # an empty SFT set would only fail later, in training
         raise SFTDataError(f"--generations {path}: no conversation to write ({_none_kept(stats)})")
     try:
-        _write_rows(Path(cfg.out), out_rows)
+        rewrite_jsonl(cfg.out, out_rows)
     except OSError as exc:
         raise SFTDataError(f"--out {cfg.out}: cannot write it ({exc.strerror or exc})") from None
     return stats
@@ -589,16 +588,6 @@ def _none_kept(stats: ConvertStats) -> str:
     if not text:
         return "the file holds no rows"
     return text + (f": {first_reasons(stats.skipped)}" if stats.skipped else "")
-
-
-def _write_rows(out: Path, rows: list[dict]) -> None:
-    """`rows` as JSONL at `out`, replaced atomically (a kill leaves the old file or the new one)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(str(out) + ".tmp")
-    with open(tmp, "w") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
-    os.replace(tmp, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
