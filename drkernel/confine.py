@@ -258,6 +258,11 @@ _SETAFFINITY = {"x86_64": 203, "aarch64": 122}  # sched_setaffinity
 # io_uring_enter and io_uring_register act on a ring's descriptor only: refusing setup suffices
 _IO_URING_SETUP = {"x86_64": 425, "aarch64": 425}
 _PIDFD_SEND_SIGNAL = {"x86_64": 424, "aarch64": 424}  # a /proc/<pid> directory is a pidfd too
+# Kernel objects that outlive the runner or escape its limits: keys (a user keyring is shared by
+# every process of the uid, across jobs and with the host: add_key, request_key, keyctl), SysV
+# shared memory (held without a mapping or a descriptor, unseen by the memory limit: shmget), new
+# namespaces (unshare, setns)
+_OUTLIVING = {"x86_64": (248, 249, 250, 29, 272, 308), "aarch64": (217, 218, 219, 194, 97, 268)}
 _ALLOW, _EPERM = 0x7FFF0000, 0x00050001  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
 _LD, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
 
@@ -294,6 +299,12 @@ def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int,
     return head + refuse + dispatch + [(_RET, 0, 0, _ALLOW), (_RET, 0, 0, _EPERM)] + blocks
 
 
+def refused_calls(machine: str, fixed_cores: bool = False) -> tuple[int, ...]:
+    """The calls the filter refuses outright on `machine`."""
+    return (_IO_URING_SETUP[machine], _PIDFD_SEND_SIGNAL[machine], *_OUTLIVING[machine],
+            *((_SETAFFINITY[machine],) if fixed_cores else ()))
+
+
 def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:
     import platform
     machine = platform.machine()
@@ -302,8 +313,7 @@ def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:
         report.errors.append(f"seccomp: no syscall table for {machine}")
         return
     audit, sys_seccomp, guarded = arch
-    denied = (_IO_URING_SETUP[machine], _PIDFD_SEND_SIGNAL[machine], *((_SETAFFINITY[machine],) if fixed_cores else ()))
-    prog = _own_process_program(audit, guarded, os.getpid(), denied)
+    prog = _own_process_program(audit, guarded, os.getpid(), refused_calls(machine, fixed_cores))
     filters = (_SockFilter * len(prog))(*[_SockFilter(c, jt, jf, k) for c, jt, jf, k in prog])
     fprog = _SockFprog(len(prog), filters)
     # SECCOMP_SET_MODE_FILTER (1) with SECCOMP_FILTER_FLAG_TSYNC (1): every thread of the process

@@ -57,7 +57,7 @@ UNCACHED_VERDICTS = frozenset({"timeout", "crashed"})
 _OWN_FAULTS = tuple(f"killed by sig{name}" for name in ("segv", "bus", "ill", "fpe", "abrt"))  # vs lower-cased errors
 TIMING_HACKS = frozenset({"reference_slowed", "implausible_speedup", "side_stream"})
 _INFRA_ERRORS = ("out of memory", "memoryerror", "cuda requested but not available", "cannot read input",
-                 "evaluator error", "evaluator failure", "sandbox error", "judge error")
+                 "evaluator error", "evaluator failure", "sandbox error", "judge error", "no space left on device")
 UNKNOWN = "unknown"
 # What each field of a stored result holds (EvalResult's declarations); the feedback reads each
 # of `kernels` as an object.
@@ -183,8 +183,8 @@ def cacheable(result: EvalResult) -> bool:
     Not cached, because a loaded or failing machine can cause them and a retry may differ:
     - `timeout`, and `crashed` (the OOM killer, a limit, a sandbox failure) unless the error
       says `killed by SIGSEGV` / SIGBUS / SIGILL / SIGFPE / SIGABRT: the candidate's own fault;
-    - any verdict whose error mentions memory exhaustion or an evaluator/sandbox failure (an
-      out-of-memory error caused by a neighbour is not the candidate's verdict);
+    - any verdict whose error mentions memory or disk exhaustion (`No space left on device`) or an
+      evaluator/sandbox/judge failure (a neighbour's memory or files are not the candidate's verdict);
     - `hacked` with a clock-judged code (`reference_slowed`, `implausible_speedup`,
       `side_stream`): contention moves the clocks they are judged on;
     - a result without an environment stamp or measured on an unidentified GPU.

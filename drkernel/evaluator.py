@@ -178,7 +178,9 @@ def _map_status(res: Any) -> EvalResult:
             name = _signal.Signals(sig).name if sig else "a signal"
         except Exception:
             name = f"signal {sig}"
-        r.verdict, r.error = "crashed", f"killed by {name}"
+        # the job's process is the judge, which never runs candidate code: the machine's failure
+        # (a full disk faults a mapped file), never the candidate's own fault signal
+        r.verdict, r.error = "crashed", f"judge error: the judge was killed by {name}"
     elif status == "oom":
         r.verdict, r.error = "crashed", "out of memory (oom)"
     elif status == "exit_no_result":
@@ -605,8 +607,8 @@ class Evaluator:
 
     def _judge(self, todo: list["_Prepared"], exclusive: bool, defer: bool) -> list[_Run]:
         """One judge's job for the candidates of `todo`. A job of several that ended without an
-        answer (a limit of the whole job, a crash) is done again one candidate a job, so that no
-        candidate is given an ending another one caused."""
+        answer (a limit of the whole job, a crash, an error of the sandbox itself) is done again one
+        candidate a job, so that no candidate is given an ending another one caused."""
         start = time.monotonic()
         kwargs = {"reference_path": todo[0].ref_path, "candidate_paths": [p.cand_path for p in todo],
                   "config": dataclasses.asdict(self.cfg), "exclusive": exclusive, "defer": defer,
@@ -616,7 +618,7 @@ class Evaluator:
         if res.status in ("exit_no_result", "signal") and self._reference_ends_its_importer(todo[0]):
             err = "the reference ends the process that imports it (os._exit or a signal at import)"
             return [_Run(EvalResult(verdict="reference_error", error=err), start, time.monotonic()) for _ in todo]
-        if res.status not in ("ok", "sandbox_error") and len(todo) > 1:  # not the sandbox's own failure
+        if res.status != "ok" and len(todo) > 1:
             return [run for p in todo for run in self._judge([p], exclusive, defer)]
         runs = []
         for prep, result in zip(todo, _map_group(res, len(todo))):

@@ -18,6 +18,7 @@ an IPC handle exposes its whole segment, and nothing of the judge's own may live
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import json
 import math
@@ -126,6 +127,37 @@ def read_output(path: str, max_chars: int) -> str:
             + tail.decode("utf-8", "replace"))
 
 
+def remove_tree(top: str) -> bool:
+    """Delete `top` and everything under it; whether it is gone. Never raises, never recurses: a
+    runner's directory may nest deeper than Python's stack (`shutil.rmtree` raises RecursionError)
+    or than a path may be long, and hold directories its candidate made unreadable. Each pass
+    moves what lies two levels down up into `top`, so no path is longer than two names below it."""
+    with contextlib.suppress(OSError):
+        while _flatten(top):
+            pass
+        os.rmdir(top)
+    return not os.path.lexists(top)
+
+
+def _flatten(top: str) -> bool:
+    """One pass of `remove_tree`: the files in `top` deleted, each directory's entries moved up
+    into `top` (under random names) and the emptied directory deleted. Whether any was moved."""
+    os.chmod(top, 0o700)  # a candidate may have taken its own rights away: it cannot take ours
+    moved = False
+    with os.scandir(top) as it:
+        entries = list(it)
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False):
+            os.unlink(entry.path)
+            continue
+        os.chmod(entry.path, 0o700)
+        for name in os.listdir(entry.path):
+            os.rename(os.path.join(entry.path, name), os.path.join(top, f".drk_rm_{os.urandom(8).hex()}"))
+            moved = True
+        os.rmdir(entry.path)
+    return moved
+
+
 ESCAPED = 0  # `kill_note`'s pid for processes that left their runner (no process has pid 0)
 
 
@@ -216,7 +248,9 @@ def allocate(layout: Layout, device, directory: str):
         return arena, {"cuda": base64.b64encode(pickle.dumps(args)).decode()}
     path = os.path.join(directory, "arena.bin")
     with open(path, "wb") as fh:
-        fh.truncate(layout.nbytes)
+        # every block reserved now: on a full disk this raises ENOSPC here, where a sparse file
+        # would fault (SIGBUS) the first process that writes a page of it
+        os.posix_fallocate(fh.fileno(), 0, layout.nbytes)
     arena = torch.from_file(path, shared=True, size=layout.nbytes, dtype=torch.uint8)
     return arena, {"path": path, "nbytes": layout.nbytes}
 

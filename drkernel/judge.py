@@ -504,7 +504,8 @@ def setup(r: Reference) -> None:
     r.forward_key = secrets.token_bytes(16)
     r.trial_seeds = [fresh_seed() for _ in range(r.cfg.trials + 2)]  # shared by the group (cached outputs)
     r.perf_n = r.cfg.perf_trials if r.cuda else r.cfg.cpu_perf_trials
-    _init_runner(r, r.twin, os.path.join(r.twin.dir, "reference.py"))  # CUDA starts there meanwhile
+    with _twin_fails():
+        _init_runner(r, r.twin, os.path.join(r.twin.dir, "reference.py"))  # CUDA starts there meanwhile
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
@@ -595,7 +596,8 @@ def _attach(r: Reference, channel: Channel) -> dict:
 
 def start_twin(r: Reference) -> None:
     """The reference twin: attached, calibrated (before it holds any model) and loaded."""
-    r.details["confinement"] = _attach(r, r.twin)
+    with _twin_fails():
+        r.details["confinement"] = _attach(r, r.twin)
     r.mark("start_twin")
 
 
@@ -603,7 +605,8 @@ def calibrate(r: Reference) -> None:
     """Null calls through the twin (a runner of the same kind as the candidates', holding no model
     yet): what the judge's clock adds to a runner's own time per call (messages, the commit copy,
     the sync, stopping it)."""
-    r.overhead_ms = median([_residual_ms(r, fresh_seed()) for _ in range(10 if r.cuda else 3)])
+    with _twin_fails():
+        r.overhead_ms = median([_residual_ms(r, fresh_seed()) for _ in range(10 if r.cuda else 3)])
     r.details["clock_overhead_ms"] = r.overhead_ms
     r.mark("calibrate")
 
@@ -619,7 +622,7 @@ def _residual_ms(r: Reference, seed: int) -> float:
 def load_twin(r: Reference) -> None:
     """The twin builds the reference model (compiled when `baseline` is compile) and runs it a few
     times: a compile happens here, outside any timing and any hold of the GPU alone."""
-    with _shared(r):
+    with _shared(r), _twin_fails():
         reply = r.twin.ask({"op": "load", "cls": "Model", "compile": r.cfg.baseline == "compile"})
         if "error" in reply:
             raise Stop("reference_error", "the reference failed in its timing process: " + str(reply["error"])[:600])
@@ -629,7 +632,8 @@ def load_twin(r: Reference) -> None:
 
 
 def time_reference_alone(r: Reference) -> None:
-    r.ref_alone_ms = _reference_alone_ms(r)
+    with _twin_fails():
+        r.ref_alone_ms = _reference_alone_ms(r)
     r.bandwidth = _copy_bandwidth(r.device) if r.cuda else None
     r.details["ref_ms_isolated"] = r.ref_alone_ms
     r.details["io_bytes"] = r.io_bytes
@@ -1332,7 +1336,7 @@ def _launches_ran(j: Judge, rows: list[tuple[str, int, float]], i: int) -> None:
     candidate's kernels that the device never ran was recorded by candidate code, not by Triton."""
     if not rows:
         return
-    ran = profiling.launches_by_name(rows)
+    ran = profiling.candidate_launches(rows, j.kernels)
     for name, n in j.last_launches.items():
         if name in j.kernels and ran.get(name, 0) < n:
             j.hack("forged_reply", f"profiled call {i}: {n} launch(es) of {name} recorded, {ran.get(name, 0)} ran "
@@ -1344,8 +1348,8 @@ def _profile_doubt(j: Judge, summary: dict, rows: list[tuple[str, int, float]], 
     this clock, or a kernel of the candidate's launched more often a call than in any checked call."""
     if summary["total_device_ms"] > wall_ms:
         return f"the traces claim {summary['total_device_ms']:.3f} ms of device time in {wall_ms:.3f} ms"
-    for name, calls in profiling.launches_by_name(rows).items():
-        if name in j.kernels and calls > _PROFILED_CALLS * j.flow.most.get(name, 0):
+    for name, calls in profiling.candidate_launches(rows, j.kernels).items():
+        if calls > _PROFILED_CALLS * j.flow.most.get(name, 0):
             return f"{name} launched {calls} times in {_PROFILED_CALLS} profiled calls, at most " \
                    f"{j.flow.most.get(name, 0)} a checked call"
     return None
@@ -1508,9 +1512,11 @@ def _judge_candidate(r: Reference, runner: Channel, candidate_path: str, started
         _escaped_kills(j, "its turn")  # its own: read before the next candidate's turn begins
     if r.gpu is not None:
         j.details["lock_wait_s"] = {k: round(v - waited.get(k, 0.0), 3) for k, v in r.gpu.waited.items()}
-    result = _verdict(j, started)
-    shutil.rmtree(runner.dir, ignore_errors=True)  # its files go with its turn: disk held is one runner's
-    return result
+    j.out.stdout = runner.output("stdout", 2000)
+    j.out.stderr = runner.output("stderr", 2000)
+    if not ipc.remove_tree(runner.dir):  # its files go with its turn: disk held is one runner's
+        j.out.verdict, j.out.error = "crashed", "the files the candidate left could not be deleted"
+    return _verdict(j, started)
 
 
 def _verdict(j: Judge, started: float) -> dict:
@@ -1521,8 +1527,6 @@ def _verdict(j: Judge, started: float) -> dict:
     j.out.correct = j.out.verdict == "correct"
     if not j.out.correct:
         j.out.speedup = None
-    j.out.stdout = j.runner.output("stdout", 2000)
-    j.out.stderr = j.runner.output("stderr", 2000)
     j.out.wall_s = _perf() - started
     return json.loads(json.dumps(j.out.to_dict(), default=repr))
 
@@ -1537,6 +1541,21 @@ def _reference_fails(what: str):
         raise
     except BaseException as exc:  # noqa: BLE001 - a task file is input, whatever it raises
         raise Stop("reference_error", exception_text(what, exc)) from None
+
+
+@contextlib.contextmanager
+def _twin_fails():
+    """Whatever ends a group phase at the twin (an error it reports, its death, a reply that breaks
+    the protocol) is the reference's failure, never the candidates': no candidate code exists yet
+    and the twin runs nothing but the reference. Its silence stays a timeout (`_as_reference_error`)."""
+    try:
+        yield
+    except Stop as exc:
+        if exc.verdict in ("timeout", "reference_error"):
+            raise
+        raise Stop("reference_error", f"the reference failed in its timing process: {exc.error}") from None
+    except Hacked as exc:
+        raise Stop("reference_error", f"the reference failed in its timing process: {exc.detail}") from None
 
 
 class _ReferenceTooSlow(BaseException):

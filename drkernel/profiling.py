@@ -43,14 +43,19 @@ _LIBRARY_MARKERS = (
 NAME_WIDTH = 80
 
 
-def is_candidate_name(name: str, candidate_names: Iterable[str]) -> bool:
-    """Exact match, or exact match plus a Triton 2.x specialisation suffix (see module doc)."""
+def candidate_name(name: str, candidate_names: Iterable[str]) -> str | None:
+    """The candidate's kernel a device kernel name is: an exact match, or one plus a Triton 2.x
+    specialisation suffix (see module doc); None for any other kernel."""
     name = name.strip()
     names = set(candidate_names)
     if name in names:
-        return True
+        return name
     m = _TRITON_SUFFIX.search(name)
-    return bool(m) and m.start() > 0 and name[: m.start()] in names
+    return name[: m.start()] if m and m.start() > 0 and name[: m.start()] in names else None
+
+
+def is_candidate_name(name: str, candidate_names: Iterable[str]) -> bool:
+    return candidate_name(name, candidate_names) is not None
 
 
 def classify_kernel(name: str, candidate_names: Iterable[str]) -> str:
@@ -120,11 +125,13 @@ def _needed_us(parts: list[tuple[int, float]], fraction: float) -> float:
     return total
 
 
-def launches_by_name(rows: list[tuple[str, int, float]]) -> dict[str, int]:
-    """Launches per kernel name (names stripped), summed over the rows."""
+def candidate_launches(rows: list[tuple[str, int, float]], candidate_names: Iterable[str]) -> dict[str, int]:
+    """Launches per kernel of the candidate's (by its source name), summed over the rows."""
+    names = set(candidate_names)
     out: dict[str, int] = {}
     for name, calls, _ in rows:
-        out[name.strip()] = out.get(name.strip(), 0) + calls
+        if own := candidate_name(name, names):
+            out[own] = out.get(own, 0) + calls
     return out
 
 

@@ -38,8 +38,8 @@ import time
 import traceback
 from typing import Any
 
-from drkernel import (channel, compare, confine, counterfactual, dataflow, integrity, ipc, launch_pattern, profiling,
-                      triton_source)
+from drkernel import (channel, compare, confine, counterfactual, dataflow, integrity, ipc, launch_guard, launch_pattern,
+                      profiling, triton_source)
 from drkernel.channel import evidence_digest
 
 _perf = time.perf_counter  # bound before any candidate code exists
@@ -133,7 +133,9 @@ class LaunchRecorder:
         # call ends (a freed kernel buffer cannot be handed to a torch-made output)
         self.launches: list[tuple[str, tuple, dict]] = []
         self.perturb: frozenset[str] = frozenset()
-        self.kernels = _source_kernels(self.candidate_file)  # what each kernel reads and writes, by its text
+        text = _source_text(self.candidate_file)
+        self.kernels = triton_source.jit_kernels(text)  # what each kernel reads and writes, by its text
+        self.guard = launch_guard.LaunchGuard(self.candidate_file, text)
         self.track_changes = False  # where a launch changed its arguments (`dataflow.block_sums`)
         self.flow: dataflow.FlowLog | None = None
         self.expected_stream: Any = None
@@ -166,8 +168,12 @@ class LaunchRecorder:
         rec = self
 
         def run(kernel, *args, grid, warmup, **kwargs):
-            if warmup or not rec._is_mine(kernel):
+            if not rec._is_mine(kernel):
                 return orig(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            if warmup:  # a compile: what it builds is the kernel's from here on
+                ret = orig(kernel, *args, grid=grid, warmup=True, **kwargs)
+                rec.guard.seen(kernel)
+                return ret
             return rec._launch(orig, kernel, args, kwargs, grid)
 
         return run
@@ -190,7 +196,9 @@ class LaunchRecorder:
             with (counterfactual.perturbed(bound, self.kernels.get(name)) if real and name in self.perturb
                   else contextlib.nullcontext()):
                 before = self._sums(bound) if real and self.track_changes else None
+                self.guard.pin()
                 ret = orig(kernel, *args, grid=grid, warmup=False, **kwargs)
+                self.guard.seen(kernel)
                 changed = self._changes(before) if before is not None else None
         finally:
             if self.flow is not None:
@@ -204,8 +212,8 @@ class LaunchRecorder:
         method or attribute of an argument Triton asks, such as `data_ptr` or `untyped_storage`)
         would run where the data-flow log is paused and the launch's own checksums are taken. So
         arguments are of exact, known types only."""
-        if getattr(kernel, "pre_run_hooks", None):
-            return "it has pre-run hooks"
+        if problem := self.guard.problem(kernel, bound):
+            return problem
         given = (*bound.items(), *((k, v) for k, v in kwargs.items() if k not in bound))  # launch options too
         for param, v in given:
             if foreign := self.argument_types.foreign(v):
@@ -516,16 +524,17 @@ class Runner:
 # the launch names or the data-flow log is replaced as it should be)
 _RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "structure", "snapshot", "watched",
                  "threads0", "generators", "job_dir", "candidate", "report")
-_RECORDER_FIXED = ("candidate_file", "argument_types", "_mine", "_signatures", "installed", "expected_stream", "originals")
+_RECORDER_FIXED = ("candidate_file", "argument_types", "_mine", "_signatures", "installed", "expected_stream", "originals",
+                   "guard")
 
 
-def _source_kernels(path: str) -> dict[str, triton_source.Kernel]:
-    """The candidate's kernels as its text declares them (none where it cannot be read)."""
+def _source_text(path: str) -> str:
+    """The candidate's text as the judge sent it (empty where it cannot be read)."""
     try:
         with open(path, encoding="utf-8") as fh:
-            return triton_source.jit_kernels(fh.read())
+            return fh.read()
     except (OSError, ValueError):
-        return {}
+        return ""
 
 
 def _describe_objects(objects: dict[str, tuple[Any, tuple[str, ...]]]) -> str:
@@ -563,7 +572,7 @@ def _evidence_machinery() -> dict[str, tuple[Any, str]]:
     the comparisons'."""
     out: dict[str, tuple[Any, str]] = {}
     for mod in (sys.modules[__name__], channel, compare, ipc, integrity, dataflow, counterfactual, launch_pattern,
-                profiling, confine):
+                launch_guard, profiling, confine):
         for k, v in vars(mod).items():
             if callable(v) and not k.startswith("__"):
                 out[f"{mod.__name__}.{k}"] = (mod, k)

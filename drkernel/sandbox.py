@@ -38,9 +38,9 @@ import os
 import queue
 import resource
 import select
-import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -492,24 +492,40 @@ def _kill_runners_over_disk(runners: list[tuple[str, int]], limit_mb: int) -> No
             continue
         unnamed = procfs.unnamed_file_bytes([runner_pid, *procfs.descendants(runner_pid)]) / 2**20
         if _disk_mb(runner_dir) + unnamed > limit_mb:
-            _kill_runner(runner_dir, runner_pid, f"it wrote more than {limit_mb} MB of files")
+            _kill_runner(runner_dir, runner_pid, f"its files took more than {limit_mb} MB or could not be measured")
 
 
 def _disk_mb(top: str, max_entries: int = 20000) -> float:
     """MB of disk under `top` (allocated blocks, so a sparse or preallocated file counts as it
-    is); a tree of more than `max_entries` files counts as over any limit."""
+    is), walked with a stack, never recursing; a tree of more than `max_entries` files, or with a
+    directory that cannot be read (nested past the longest path, made unreadable), counts as over
+    any limit: what it holds is unknown."""
     total, seen, todo = 0, 0, [top]
     while todo:
-        with contextlib.suppress(OSError), os.scandir(todo.pop()) as it:
-            for entry in it:
-                seen += 1
-                if seen > max_entries:
-                    return float("inf")
-                st = entry.stat(follow_symlinks=False)
-                total += st.st_blocks * 512
-                if entry.is_dir(follow_symlinks=False):
-                    todo.append(entry.path)
+        try:
+            with os.scandir(todo.pop()) as it:
+                for entry in it:
+                    seen += 1
+                    if seen > max_entries:
+                        return float("inf")
+                    size, is_dir = _entry_size(entry)
+                    total += size
+                    if is_dir:
+                        todo.append(entry.path)
+        except FileNotFoundError:  # deleted meanwhile: a temporary directory, or its turn ended
+            continue
+        except OSError:
+            return float("inf")
     return total / 2**20
+
+
+def _entry_size(entry: os.DirEntry) -> tuple[int, bool]:
+    """(bytes allocated, is a directory) of one entry; (0, False) once it is deleted."""
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return 0, False
+    return st.st_blocks * 512, stat.S_ISDIR(st.st_mode)
 
 
 def _classify(status: int, reason: str | None, result_path: str, lim: SandboxLimits) -> dict:
@@ -627,7 +643,7 @@ def _zygote_job(job: dict, pipe_fds: tuple[int, int]) -> dict:
         res["stderr"] = read_output(os.path.join(workdir, "stderr"), lim.max_output_chars)
         return res
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        ipc.remove_tree(workdir)  # never raises: a tree it cannot delete must not cost the job its answer
 
 
 # What of the caller's environment the fork server, and so every job and its candidate code, gets:
@@ -889,7 +905,7 @@ class ForkServer:
         if msg is None:
             tail = self._log_tail(500)
             self._stop(wait=False)
-            shutil.rmtree(started.get("workdir") or "", ignore_errors=True)
+            ipc.remove_tree(started.get("workdir") or "")
             return SandboxResult("sandbox_error", error=f"{why}; {tail}".strip("; "), wall_s=time.monotonic() - t0)
         self._job_pgid = None
         fields = {f.name for f in dataclasses.fields(SandboxResult)}

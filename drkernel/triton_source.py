@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
+import re
 
 from drkernel.tasks import UNPARSABLE
 
@@ -37,17 +38,31 @@ def jit_kernels(source: str | ast.AST) -> dict[str, Kernel]:
         return {}
     defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     names = {n.name for n in defs.values() if any(_is_jit(d) for d in n.decorator_list)}
-    names |= {a.args[0].id for a in ast.walk(tree) if isinstance(a, ast.Call) and _is_jit(a.func)
-              and a.args and isinstance(a.args[0], ast.Name) and a.args[0].id in defs}
+    wrapped = (_wrapped(a) for a in ast.walk(tree) if isinstance(a, ast.Call) and _is_jit(a.func))
+    names |= {w.id for w in wrapped if isinstance(w, ast.Name) and w.id in defs}
     tl_names = _triton_aliases(tree)
     return {n: _kernel(defs[n], tl_names) for n in sorted(names)}
 
 
+def _wrapped(call: ast.Call) -> ast.AST | None:
+    """The function a `jit(f)` or `jit(fn=f)` call wraps."""
+    return call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "fn"), None)
+
+
+# Device kernel names of vendor libraries and of torch's own generated kernels: a kernel of the
+# candidate's named like one would have their device time counted as its own
+_BORROWED_NAME = re.compile(r"^(sm\d+_|ampere_|volta_|turing_|hopper_|blackwell_|nvjet|cutlass|cudnn|cublas|cunn_|"
+                            r"triton_(poi|per|red|tem|for)_|flash_(fwd|bwd)|fmha)|xmma", re.IGNORECASE)
+
+
 def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
-    """Calls inside `jit` kernels to the file's own Python: a plain function or a module-level
-    object (not a kernel, not decorated from Triton), or torch. A GPU compile refuses them; Triton's
-    interpreter runs them as Python, unseen by the data-flow log, which is paused inside a launch.
-    `tree`: the text's parsed tree, where the caller has it."""
+    """What inside `jit` kernels would run the file's own Python or show on the device as other
+    code: calls to a plain function or a module-level object (not a kernel, not decorated from
+    Triton) or torch, and reads of a module-level object that is not a constant (its `__bool__`
+    or `__ne__` would run); a kernel named like a library's kernel, or renamed on the device
+    (`repr=`). A GPU compile refuses the Python; Triton's interpreter runs it, unseen by the
+    data-flow log, which is paused inside a launch. `tree`: the text's parsed tree, where the
+    caller has it."""
     try:
         tree = tree or ast.parse(source)
     except UNPARSABLE:
@@ -60,12 +75,15 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     python |= {name for n in body if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) for name in _names(t)}
     python = (python - kernels) | {"torch"}
+    constants = _constants(body, tl_names)
     defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in kernels]
     lines = source.splitlines()
-    found: dict[str, None] = {}
+    found: dict[str, None] = dict.fromkeys(_naming_findings(tree, kernels))
     for fn in defs:
         outside = python - _names_bound(fn)
         found.update(dict.fromkeys(_call_findings(fn, outside)))
+        found.update(dict.fromkeys(f"{fn.name} reads {n}, a module-level object that is no constant"
+                                   for n in _names_loaded(fn) & outside - constants))
         if any(line.lstrip().startswith("def ") for line in lines[fn.lineno:fn.end_lineno]):
             # Triton's interpreter finds a kernel's def by its text: it would run the last one
             found[f"{fn.name} holds another line starting with 'def '"] = None
@@ -88,6 +106,43 @@ def _call_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, outside: set[str]
         if held or not isinstance(call.func, ast.Attribute):
             out.append(f"{fn.name} calls {ast.unparse(call.func)[:60]}")
     return out
+
+
+def _naming_findings(tree: ast.AST, kernels: set[str]) -> list[str]:
+    """Kernels named like a library's, and `jit` calls that rename a kernel on the device."""
+    out = [f"the kernel {k} is named like a library's or torch's own kernel" for k in sorted(kernels)
+           if _BORROWED_NAME.search(k)]
+    calls = (c for c in ast.walk(tree) if isinstance(c, ast.Call) and _is_jit(c.func))
+    return out + [f"a jit call renames its kernel on the device: {ast.unparse(c)[:60]}" for c in calls
+                  if any(k.arg == "repr" for k in c.keywords)]
+
+
+def _constants(body: list[ast.stmt], tl_names: set[str]) -> set[str]:
+    """Module-level names every binding of which is a literal, `constexpr(literal)` or an
+    attribute of Triton's (`tl.float32`)."""
+    values: dict[str, list[ast.AST | None]] = {}
+    for n in body:
+        if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+                for name in _names(t):
+                    values.setdefault(name, []).append(n.value if isinstance(t, ast.Name)
+                                                       and not isinstance(n, ast.AugAssign) else None)
+    return {name for name, vs in values.items() if all(_constant(v, tl_names) for v in vs)}
+
+
+def _constant(v: ast.AST | None, tl_names: set[str]) -> bool:
+    if isinstance(v, ast.UnaryOp):
+        v = v.operand
+    if isinstance(v, ast.Constant):
+        return True
+    if isinstance(v, ast.Call) and dotted(v.func).rsplit(".", 1)[-1] == "constexpr" and len(v.args) == 1:
+        return _constant(v.args[0], tl_names)
+    return isinstance(v, ast.Attribute) and dotted(v).split(".")[0] in tl_names
+
+
+def _names_loaded(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """The names the body loads (not its decorators, annotations or defaults: no launch runs those)."""
+    return {n.id for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
 def _triton_decorated(node: ast.AST, tl_names: set[str]) -> bool:

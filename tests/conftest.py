@@ -99,3 +99,15 @@ def fresh_accelerate_state():
     yield
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def recursion_limit_as_found():
+    """Inductor raises the interpreter's recursion limit when it compiles a graph its cache lacks;
+    restored after every test, so that how deep a parse may nest does not depend on the tests
+    that ran before (or on a warm inductor cache)."""
+    import sys
+
+    limit = sys.getrecursionlimit()
+    yield
+    sys.setrecursionlimit(limit)

@@ -11,6 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "drkernel"
 ORDER = (
     "procfs", "ipc", "jsonl", "tasks", "triton_source", "compare_kernels", "gpushare", "profiling",
     "advantages", "loss", "metrics", "config", "modeling", "evaltypes", "compare", "dataflow", "counterfactual", "launch_pattern",
+    "launch_guard",
     "gpumemory",
     "confine", "channel", "integrity", "sandbox", "runner", "judge", "evalcache", "rewards", "evaluator",
     "prompts", "layouts", "report", "generation", "api_policy", "mismatch", "stts", "rollout", "runtime",

@@ -126,9 +126,23 @@ def test_hack_verdicts_cached_unless_judged_on_clocks():
     ("runtime_error", "CUDA requested but not available"),
     ("runtime_error", "cannot read input: [Errno 2] No such file"),
     ("incorrect", "evaluator failure: BrokenPipeError"),
+    ("runtime_error", "forward raised: OSError: [Errno 28] No space left on device"),  # another job filled the disk
 ])
 def test_infrastructure_verdicts_are_not_cached(verdict, error):
     assert not cacheable(result(verdict, error=error))
+
+
+@pytest.mark.parametrize("name", ["SIGBUS", "SIGSEGV", "SIGKILL"])
+def test_a_signal_that_killed_the_judge_is_never_the_candidates_fault(name):
+    """The job's own process is the judge, which runs no candidate code: a signal that killed it
+    (SIGBUS where a full disk faults a mapped file) is the machine's failure, not cached."""
+    import signal
+
+    from drkernel.evaluator import _map_status
+    from drkernel.sandbox import SandboxResult
+    r = _map_status(SandboxResult("signal", signal=int(signal.Signals[name])))
+    assert r.verdict == "crashed" and f"judge was killed by {name}" in r.error, r.error
+    assert not cacheable(evalcache.with_environment(r, ENV))
 
 
 def test_unstamped_or_unidentified_environment_is_not_cached():

@@ -396,17 +396,19 @@ def test_a_candidates_files_are_gone_before_the_next_candidate_runs(tmp_path):
     assert seen == [[]], "the first candidate's files were still there during the second one's turn"
 
 
-def test_a_job_that_ends_without_an_answer_is_judged_again_one_candidate_a_job(monkeypatch):
-    """No candidate takes the ending of a whole group's job: each is judged again in its own."""
+@pytest.mark.parametrize("status", ["timeout", "sandbox_error"])
+def test_a_job_that_ends_without_an_answer_is_judged_again_one_candidate_a_job(monkeypatch, status):
+    """No candidate takes the ending of a whole group's job, a limit's or the sandbox's own error
+    (one candidate's files broke its clean-up): each is judged again in its own."""
     from tests.test_evaluator import LEGIT_RELU
     with Evaluator(cfg()) as ev:
         run = ev.pool.run
 
-        def groups_time_out(target, kwargs=None, **kw):
+        def groups_fail(target, kwargs=None, **kw):
             if len((kwargs or {}).get("candidate_paths", ())) > 1:
-                return SandboxResult(status="timeout", error="wall-clock timeout")
+                return SandboxResult(status=status, error="the group's job ended without an answer")
             return run(target, kwargs, **kw)
-        monkeypatch.setattr(ev.pool, "run", groups_time_out)
+        monkeypatch.setattr(ev.pool, "run", groups_fail)
         ref = str(TASKS / "1_ReLU.py")
         results = ev.evaluate_many([(ref, LEGIT_RELU), (ref, LEGIT_RELU + "# another text: not deduplicated\n")])
     assert [r.verdict for r in results] == ["correct", "correct"], [(r.verdict, r.error) for r in results]
@@ -819,6 +821,7 @@ def test_a_launch_on_host_memory_is_refused_on_a_gpu_run(tmp_path):
     for device_type, refused in (("cpu", False), ("cuda", True)):
         rec = runner.LaunchRecorder(str(tmp_path / "c.py"), device_type)
         rec.argument_types = runner._launch_argument_types()
+        rec.guard.problem = lambda kernel, arguments: None  # the kernel object's own checks: test_launch_guard.py
         why = rec._refused(kernel, {"x_ptr": torch.ones(4), "n": 4}, {})
         assert (why is not None) == refused, why
     assert "x_ptr is a tensor on cpu, not on the run's cuda" in rec._refused(kernel, {"x_ptr": (torch.ones(2),)}, {})

@@ -9,6 +9,7 @@ the device assert's launch fails at `torch.cuda.synchronize()` (runtime_error) a
 store makes the interpreter write outside the process's memory (the child dies: crashed).
 """
 
+import os
 import re
 from pathlib import Path
 
@@ -102,3 +103,98 @@ def test_a_hanging_reference_is_the_references_failure():
         r = ev.evaluate(HANGING_REFERENCE, (SOLUTIONS / "1_ReLU.py").read_text())
     assert r.verdict == "reference_error" and "timeout" in r.error, (r.verdict, r.error)
     assert r.details["overhead_s"]["job"] < 4.0 + 3.0, r.details["overhead_s"]
+
+
+# ---- one candidate's files, the disk and the reference's twin never fail the others -----------
+
+DEEP_TREE = ROOT / "tests" / "fixtures" / "attacks" / "deep_tree.py"
+
+
+def _chain(top: Path, levels: int) -> None:
+    """`levels` directories nested in `top` and a file at the bottom, made as a candidate makes them:
+    by relative names, so that no path used is longer than one name."""
+    home = os.getcwd()
+    try:
+        os.chdir(top)
+        for _ in range(levels):
+            os.mkdir("a")
+            os.chdir("a")
+        Path("payload").write_bytes(b"\1" * 4096)
+    finally:
+        os.chdir(home)
+
+
+def test_a_tree_too_deep_for_python_or_for_a_path_is_deleted_and_counted_over_the_limit(tmp_path):
+    """Deleting never recurses (a chain deeper than the recursion limit, and than the longest path);
+    a directory that cannot be read, nested past the longest path, is over any disk limit."""
+    from drkernel import ipc
+    from drkernel.sandbox import _disk_mb
+    _chain(tmp_path, 2500)  # 5000 characters of path
+    (tmp_path / "shut").mkdir()
+    (tmp_path / "shut" / "f").write_text("x")
+    (tmp_path / "shut").chmod(0)
+    assert _disk_mb(str(tmp_path)) == float("inf")
+    assert ipc.remove_tree(str(tmp_path)) and not tmp_path.exists()
+    assert ipc.remove_tree(str(tmp_path))  # already gone
+
+
+def test_a_deep_tree_left_by_a_candidate_costs_no_one_else_their_verdict(tmp_path, monkeypatch):
+    """A candidate that leaves a tree deeper than Python's recursion limit in its directory is
+    judged in its group like any other: its files are deleted with its turn, its group-mates keep
+    their verdicts, and the job leaves no directory behind."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the fork server's jobs keep their files
+    relu, solution = str(TASKS / "1_ReLU.py"), (SOLUTIONS / "1_ReLU.py").read_text()
+    with Evaluator(EvalConfig(device="cpu", trials=1, cpu_perf_trials=1, warmup=1), workers=1) as ev:
+        results = ev.evaluate_many([(relu, solution), (relu, DEEP_TREE.read_text()), (relu, solution + "# another\n")])
+    assert [r.verdict for r in results] == ["correct"] * 3, [(r.verdict, r.error) for r in results]
+    assert [r.details["overhead_s"]["group"] for r in results] == [3] * 3  # one job, never judged again
+    assert not list(tmp_path.glob("drk_job_*"))
+
+
+def test_the_arena_holds_its_disk_from_the_start(tmp_path, monkeypatch):
+    """The CPU arena's blocks are allocated when it is made: a full disk is an error there, never a
+    SIGBUS in the first process that writes a page of a sparse file."""
+    import errno
+
+    from drkernel import ipc
+    layout = ipc.plan([torch.zeros(3 << 20)], [torch.zeros(3 << 20)])
+    ipc.allocate(layout, torch.device("cpu"), str(tmp_path))
+    assert (tmp_path / "arena.bin").stat().st_blocks * 512 >= layout.nbytes
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space left on device"):
+        ipc.allocate(layout, torch.device("cpu"), str(tmp_path))
+
+
+UNCOMPILABLE_REFERENCE = '''import torch
+import torch._inductor.config
+
+# no C++ compiler: the twin's torch.compile of Model fails at its first call, as on a full disk
+torch._inductor.config.cpp.cxx = ("/nonexistent/c++",)
+
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(8)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def test_a_reference_that_fails_in_its_timing_process_is_the_references_failure():
+    """With `baseline="compile"` the twin compiles the reference at its first call; a compile that
+    fails there is `reference_error` for every candidate, never their `runtime_error`."""
+    config = EvalConfig(device="cpu", trials=1, cpu_perf_trials=1, warmup=1, baseline="compile")
+    with Evaluator(config, workers=1) as ev:
+        results = ev.evaluate_many([(UNCOMPILABLE_REFERENCE, (SOLUTIONS / "1_ReLU.py").read_text()),
+                                    (UNCOMPILABLE_REFERENCE, (SOLUTIONS / "1_ReLU.py").read_text() + "# another\n")])
+    for r in results:
+        assert r.verdict == "reference_error" and "timing process" in r.error, (r.verdict, r.error)

@@ -20,6 +20,11 @@ def test_exact_name_match_only():
     assert classify_kernel("nvjet_tst_128x64", set()) == "library"
 
 
+def test_launches_count_by_the_source_name_whatever_the_device_calls_them():
+    rows = [("relu_kernel_0d1d2de", 2, 5.0), ("relu_kernel", 1, 4.0), ("ampere_sgemm_128x64_nn", 3, 9.0)]
+    assert profiling.candidate_launches(rows, {"relu_kernel", "gemm"}) == {"relu_kernel": 3}
+
+
 def test_shares_and_topk():
     ev = [("k", 2, 60.0), ("ampere_sgemm_64x64", 1, 30.0), ("triton_poi_fused", 1, 10.0)]
     s = summarize_kernels(ev, {"k"})

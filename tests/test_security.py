@@ -7,6 +7,7 @@ import ctypes
 import dataclasses
 import errno
 import os
+import platform
 import socket
 import subprocess
 import textwrap
@@ -411,6 +412,32 @@ def test_a_confined_process_cannot_set_up_io_uring():
     assert got == f"(True, {errno.EPERM})", got
 
 
+def _confined_outliving_objects() -> list[int]:
+    """Under the seccomp layer: the errno of add_key into the user keyring, of a SysV shared memory
+    segment and of a new user namespace (0: made)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    report = confine.Confinement()
+    confine._own_process_only(report)
+    key = libc.syscall(248, b"user", b"drk_probe", b"x", 1, -4)  # KEY_SPEC_USER_KEYRING
+    errs = [0 if key >= 0 else ctypes.get_errno()]
+    if key >= 0:
+        libc.syscall(250, 21, key)  # KEYCTL_INVALIDATE: the key made anyway goes
+    shm = libc.syscall(29, 0, 1 << 20, 0o1600)  # IPC_PRIVATE, IPC_CREAT | 0600
+    errs.append(0 if shm >= 0 else ctypes.get_errno())
+    errs.append(0 if libc.unshare(0x10000000) == 0 else ctypes.get_errno())  # CLONE_NEWUSER
+    return [report.own_process_only, *errs]
+
+
+def test_a_confined_process_makes_no_key_shared_memory_or_namespace():
+    """A key in the user keyring outlives the job and is read by later candidates (and holds the
+    host's secrets); a SysV segment holds memory no limit sees; a new namespace escapes the
+    runner's. Refused under the seccomp layer."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the probe uses x86_64 call numbers")
+    got = _in_a_child(_confined_outliving_objects)
+    assert got == f"[True, {errno.EPERM}, {errno.EPERM}, {errno.EPERM}]", got
+
+
 def _bpf_verdict(prog: list, nr: int, args: list[int], arch: int) -> str:
     """What a classic-BPF seccomp program returns for one call (`struct seccomp_data` by offset)."""
     data = {0: nr, 4: arch, **{16 + 8 * i: a for i, a in enumerate(args)}}
@@ -435,8 +462,10 @@ def test_the_seccomp_program_of_every_architecture(machine, fixed_cores):
     CPU set is too."""
     audit, _, guarded = confine._SECCOMP_ARCHES[machine]
     io_uring = confine._IO_URING_SETUP[machine]
-    denied = (io_uring, confine._PIDFD_SEND_SIGNAL[machine], *((confine._SETAFFINITY[machine],) if fixed_cores else ()))
+    denied = confine.refused_calls(machine, fixed_cores)
     prog = confine._own_process_program(audit, guarded, 4242, denied)
+    for nr in confine._OUTLIVING[machine]:  # keys, SysV shared memory, namespaces
+        assert _bpf_verdict(prog, nr, [0] * 6, audit) == "refused", nr
     assert _bpf_verdict(prog, confine._PIDFD_SEND_SIGNAL[machine], [3, 9], audit) == "refused"
     assert _bpf_verdict(prog, 1, [], audit + 1) == "refused"  # another architecture
     assert _bpf_verdict(prog, 0x40000001, [], audit) == "refused"  # x32

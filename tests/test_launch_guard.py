@@ -1,0 +1,115 @@
+"""drkernel.launch_guard, on Triton's own kernel objects: what a launch would run or be named is
+what the judged text says. The hack corpus has the interpreter's cases end to end; these are the
+compiled path's (a GPU's), which a CPU can build but not launch."""
+
+import importlib.util
+import sys
+import textwrap
+
+import pytest
+
+from drkernel import launch_guard, triton_source
+
+TEXT = textwrap.dedent('''
+    import triton
+    import triton.language as tl
+
+    SCALE = 2.0
+    LIMIT = tl.constexpr(8)
+    BOXES = [1]
+
+
+    def copy_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs) * SCALE, mask=offs < LIMIT)
+
+
+    def boxed_kernel(x_ptr):
+        tl.store(x_ptr, BOXES)
+''')
+
+
+@pytest.fixture
+def compiled(tmp_path):
+    """The file's functions as Triton's compiled-path kernels (JITFunction), and a guard of its text."""
+    from triton.runtime.jit import JITFunction
+
+    path = tmp_path / "cand.py"
+    path.write_text(TEXT)
+    spec = importlib.util.spec_from_file_location("guard_cand", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    guard = launch_guard.LaunchGuard(str(path), TEXT)
+    guard.kernel_types = guard.kernel_types | {JITFunction}
+    guard.class_attrs[JITFunction] = frozenset(a for t in JITFunction.__mro__ for a in vars(t))
+    yield guard, JITFunction(mod.copy_kernel), JITFunction(mod.boxed_kernel)
+    sys.modules.pop("guard_cand", None)
+
+
+def _set_source(kernel, text: str) -> None:
+    vars(kernel)["_src" if "_src" in vars(kernel) else "src"] = text
+
+
+def test_an_untouched_kernel_may_launch_and_its_globals_are_constants(compiled):
+    guard, kernel, boxed = compiled
+    assert guard.problem(kernel, {}) is None
+    assert "reads the global BOXES, a list" in guard.problem(boxed, {})
+
+
+def test_the_text_a_kernel_would_compile_is_the_judged_one(compiled):
+    guard, kernel, _ = compiled
+    _set_source(kernel, kernel.src.replace("* SCALE", "* SCALE + 1"))
+    assert "would compile other text than the file's" in guard.problem(kernel, {})
+
+
+def test_a_kernel_renamed_for_the_device_may_not_launch(compiled):
+    guard, kernel, _ = compiled
+    kernel.fn.__qualname__ = "ampere_sgemm_128x64_nn"
+    assert "named 'ampere_sgemm_128x64_nn' on the device" in guard.problem(kernel, {})
+
+
+def test_compiled_kernels_changed_after_their_launch_may_not_launch_again(compiled):
+    guard, kernel, _ = compiled
+
+    class Compiled:
+        def run(self, *args):
+            return None
+
+    built = Compiled()
+    kernel.device_caches[0] = ({"key": built}, {}, "target", "backend", lambda *a: None)
+    assert "was compiled outside a launch" in guard.problem(kernel, {})
+    guard.seen(kernel)
+    assert guard.problem(kernel, {}) is None
+    built.run = lambda *args: None  # its launcher swapped: candidate Python inside the launch
+    assert "compiled kernels were changed after its launch" in guard.problem(kernel, {})
+
+
+def test_triton_launch_hooks_set_by_the_candidate_stop_its_launches(compiled):
+    guard, kernel, _ = compiled
+    runtime = getattr(sys.modules.get("triton.knobs"), "runtime", None)
+    if runtime is None or not hasattr(runtime, "launch_enter_hook"):
+        pytest.skip("this Triton has no knobs.runtime launch hooks")
+    saved = runtime.launch_enter_hook
+    try:
+        runtime.launch_enter_hook = lambda *args: None
+        assert guard.problem(kernel, {}) == "Triton's launch hooks were set"
+    finally:
+        runtime.launch_enter_hook = saved
+
+
+@pytest.mark.parametrize("text, finding", [
+    ("import triton\n@triton.jit\ndef sm90_xmma_gemm_f32f32(x):\n    pass\n", "named like a library's"),
+    ("import triton\n@triton.jit\ndef triton_poi_fused_relu_0(x):\n    pass\n", "named like a library's"),
+    ("import triton\n@triton.jit(repr=lambda _: 'k')\ndef k(x):\n    pass\n", "renames its kernel on the device"),
+    ("import triton\nG = object()\n@triton.jit\ndef k(x):\n    if G:\n        pass\n", "reads G, a module-level object"),
+    ("import triton\nimport torch\ndef f(x):\n    torch.relu(x)\nk = triton.jit(fn=f)\n", "f calls torch.relu"),
+])
+def test_the_source_scan_refuses_what_would_run_python_or_show_another_name(text, finding):
+    assert any(finding in f for f in triton_source.python_calls(text)), triton_source.python_calls(text)
+
+
+def test_the_source_scan_lets_kernels_read_constants_and_tritons_own_values():
+    text = ("import triton\nimport triton.language as tl\nA = 1\nB = -2.5\nC = tl.constexpr(4)\nD = tl.float16\n"
+            "CONFIGS = [triton.Config({'BLOCK': 8})]\n@triton.autotune(configs=CONFIGS, key=[])\n@triton.jit\n"
+            "def gemm_kernel(x, BLOCK: tl.constexpr):\n    tl.store(x, (A + B + C) * BLOCK, mask=D is not None)\n")
+    assert triton_source.python_calls(text) == []
