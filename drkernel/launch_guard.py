@@ -86,6 +86,9 @@ class LaunchGuard:
         name = _name(kernel)
         if type(kernel) not in self.kernel_types:
             return f"{name} is a {type(kernel).__name__}, not Triton's own kernel type"
+        if not self._is_candidates(kernel.fn):
+            # Triton's own helpers are the library's; any other file is text the judge never read
+            return None if _is_tritons(kernel.fn) else f"{name} is defined outside the candidate's file"
         shadowing = sorted(a for a in vars(kernel) if a in self.class_attrs[type(kernel)] and callable(vars(kernel)[a]))
         if shadowing:
             return f"{name} has attributes of its own in place of Triton's: {', '.join(shadowing)}"
@@ -100,8 +103,10 @@ class LaunchGuard:
         fn, name = kernel.fn, _name(kernel)
         if vars(kernel).get("_repr") is not None:
             return f"{name} is given another name on the device (repr=)"
-        if fn.__name__ != name or fn.__qualname__.rsplit(".", 1)[-1] != name:
-            return f"{name} is named {fn.__qualname__!r} on the device"
+        given = (fn.__name__, fn.__qualname__, vars(kernel).get("_fn_name", name))  # Triton's: the full name
+        wrong = [n for n in given if not isinstance(n, str) or n.rsplit(".", 1)[-1] != name]
+        if wrong:
+            return f"{name} is named {wrong[0]!r} on the device"
         if self.rewriter_type is not None and "rewriter" in vars(kernel):
             rw = vars(kernel)["rewriter"]
             if type(rw) is not self.rewriter_type or rw.fn is not fn:
@@ -153,8 +158,13 @@ class LaunchGuard:
             vars(module).get(getattr(v, "__name__", None)) is v
 
     def _language_problem(self) -> str | None:
+        """Names added to Triton's language modules since before the candidate (a submodule that
+        Triton's compile imports is its own)."""
         for label, (module, names) in self.language.items():
-            if len(vars(module)) != len(names) and (added := sorted(set(vars(module)) - names)):
+            if len(vars(module)) == len(names):
+                continue
+            added = sorted(k for k, v in vars(module).items() if k not in names and not _submodule(module, k, v))
+            if added:
                 return f"{label} was given {', '.join(added[:3])}"
         return None
 
@@ -172,6 +182,19 @@ class LaunchGuard:
     def _is_candidates(self, fn: Any) -> bool:
         code = getattr(fn, "__code__", None)
         return code is not None and os.path.realpath(code.co_filename) == self.file
+
+
+def _submodule(module: types.ModuleType, name: str, value: Any) -> bool:
+    full = f"{module.__name__}.{name}"
+    return type(value) is types.ModuleType and value.__name__ == full and sys.modules.get(full) is value
+
+
+def _is_tritons(fn: Any) -> bool:
+    """A function of Triton's own package (its standard library of jitted helpers)."""
+    import triton
+    code = getattr(fn, "__code__", None)
+    root = os.path.dirname(os.path.realpath(triton.__file__)) + os.sep
+    return code is not None and os.path.realpath(code.co_filename).startswith(root)
 
 
 def _defs_by_name(text: str) -> dict[str, set[str]]:

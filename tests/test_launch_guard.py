@@ -64,6 +64,10 @@ def test_the_text_a_kernel_would_compile_is_the_judged_one(compiled):
 
 def test_a_kernel_renamed_for_the_device_may_not_launch(compiled):
     guard, kernel, _ = compiled
+    assert guard.problem(kernel, {}) is None
+    vars(kernel)["_fn_name"] = "cand.nvjet_tst_64x8"  # what Triton names the device function after
+    assert "named 'cand.nvjet_tst_64x8' on the device" in guard.problem(kernel, {})
+    del vars(kernel)["_fn_name"]
     kernel.fn.__qualname__ = "ampere_sgemm_128x64_nn"
     assert "named 'ampere_sgemm_128x64_nn' on the device" in guard.problem(kernel, {})
 
@@ -113,3 +117,16 @@ def test_the_source_scan_lets_kernels_read_constants_and_tritons_own_values():
             "CONFIGS = [triton.Config({'BLOCK': 8})]\n@triton.autotune(configs=CONFIGS, key=[])\n@triton.jit\n"
             "def gemm_kernel(x, BLOCK: tl.constexpr):\n    tl.store(x, (A + B + C) * BLOCK, mask=D is not None)\n")
     assert triton_source.python_calls(text) == []
+
+
+def test_a_kernel_from_another_file_than_the_candidates_may_not_launch(compiled, tmp_path):
+    """Text the judge never read (a file the candidate wrote and imported at run time)."""
+    from triton.runtime.jit import JITFunction
+
+    guard, _, _ = compiled
+    other = tmp_path / "written_later.py"
+    other.write_text(TEXT)
+    spec = importlib.util.spec_from_file_location("written_later", other)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert "defined outside the candidate's file" in guard.problem(JITFunction(mod.copy_kernel), {})
