@@ -175,6 +175,9 @@ def _watched_namespaces() -> list[tuple[str, Any, bool]]:
         mods.append(("math", math))
     except Exception:  # pragma: no cover
         pass
+    import inspect
+    import linecache
+    mods += [("inspect", inspect), ("linecache", linecache)]  # where Triton reads a kernel's text
     try:
         import triton
         import triton.testing

@@ -13,7 +13,7 @@ before every launch of the candidate's kernels (`problem`), pins the text the in
 from __future__ import annotations
 
 import ast
-import dis
+import builtins
 import importlib
 import linecache
 import os
@@ -21,8 +21,9 @@ import sys
 import types
 from typing import Any
 
+from drkernel import triton_source
+
 _CONSTANTS = (int, float, bool, str, type(None))
-_LANGUAGE_MODULES = ("triton.language", "triton.language.math", "triton.language.extra.libdevice")
 
 
 class LaunchGuard:
@@ -33,12 +34,24 @@ class LaunchGuard:
 
         self.file = os.path.realpath(candidate_file)
         self.lines = text.splitlines(keepends=True)
-        self.defs = _defs_by_name(text)
+        tree = _parse(text)
+        nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        self.defs: dict[str, set[str]] = {}
+        self.reads: dict[str, list[triton_source.Reads]] = {}
+        for node in nodes:
+            self.defs.setdefault(node.name, set()).add(_dump(node))
+            self.reads.setdefault(node.name, []).append(triton_source.reads(node))
+        self.code = _judged_code(text, self.file)  # what importing the text makes of each def
         self.kernel_types = _kernel_types()
         self.rewriter_type = _attr("triton.runtime.interpreter", "FunctionRewriter")
         self.interpreted = _attr("triton.runtime.interpreter", "InterpretedFunction")
+        # the names Triton's interpreter adds to a kernel's module when it runs its text again
+        self.injected = {k: v for k, v in vars(_module("triton.runtime.interpreter") or types).items()
+                         if not k.startswith("__")} if self.interpreted is not None else {}
         self.constexpr, self.dtype = tl.constexpr, tl.dtype
-        self.language = {m.__name__: (m, frozenset(vars(m))) for m in map(_module, _LANGUAGE_MODULES) if m}
+        # the names each of Triton's (and math's) modules has before the candidate
+        self.module_names = {name: frozenset(vars(m)) for name, m in list(sys.modules.items())
+                             if m is not None and (name == "math" or name.split(".")[0] == "triton")}
         self.hooks = _launch_hooks()
         self.class_attrs = {t: frozenset(a for t2 in t.__mro__ for a in vars(t2)) for t in self.kernel_types}
         # by the kernel object's id, the object kept alive beside it (no id is reused): what its
@@ -46,7 +59,7 @@ class LaunchGuard:
         self.built: dict[int, tuple[Any, tuple]] = {}
         self.sources: dict[int, tuple[Any, Any]] = {}
         self.rewrites: set = set()  # the interpreter's rewrites made during launches (kept alive)
-        self.globals_read: dict[types.CodeType, frozenset[str]] = {}
+        self.codes_checked: dict[int, types.CodeType] = {}
 
     # ---- before a launch --------------------------------------------------------------------------
 
@@ -56,7 +69,7 @@ class LaunchGuard:
         seen: set[int] = set()
         kernels = [kernel, *(v for v in arguments.values() if type(v) in self.kernel_types)]
         return (next(filter(None, (self._object_problem(k, seen) for k in kernels)), None)
-                or self._language_problem() or self._hooks_problem() or self._built_problem(kernel))
+                or self._hooks_problem() or self._built_problem(kernel))
 
     def pin(self) -> None:
         """The interpreter rewrites a kernel from the lines Python keeps for its file: those are the
@@ -95,7 +108,8 @@ class LaunchGuard:
         hooks = vars(kernel).get("pre_run_hooks", [])
         if type(hooks) is not list or list.__len__(hooks):
             return f"{name} has pre-run hooks"
-        return self._naming_problem(kernel) or self._source_problem(kernel) or self._globals_problem(kernel, seen)
+        return (self._naming_problem(kernel) or self._code_problem(kernel) or self._source_problem(kernel)
+                or self._module_problem(kernel) or self._globals_problem(kernel, seen))
 
     def _naming_problem(self, kernel: Any) -> str | None:
         """The device names a kernel after its function (a `repr=` or a changed `__qualname__`
@@ -127,23 +141,61 @@ class LaunchGuard:
         self.sources[id(kernel)] = (kernel, src)
         return None
 
+    def _code_problem(self, kernel: Any) -> str | None:
+        """The function's code is what importing the judged text made of that def (not code put in
+        its place, nor a first line moved to other text for the interpreter to find)."""
+        code = kernel.fn.__code__
+        if self.codes_checked.get(id(code)) is code:
+            return None
+        judged = self.code.get((code.co_name, code.co_firstlineno))
+        if judged is None or _code_key(judged) != _code_key(code):
+            return f"{_name(kernel)}'s code is not the judged text's"
+        self.codes_checked[id(code)] = code
+        return None
+
+    def _module_problem(self, kernel: Any) -> str | None:
+        """Its module as Python and Triton's interpreter will run the text in it: Python's own
+        builtins, and none of the names the interpreter adds defined otherwise."""
+        g = kernel.fn.__globals__
+        if g.get("__builtins__", builtins) not in (builtins, builtins.__dict__):
+            return f"{_name(kernel)}'s module has builtins of its own"
+        if type(kernel) is self.interpreted:
+            for k, v in self.injected.items():
+                if k in g and g[k] is not v:
+                    return f"{_name(kernel)}'s module defines {k}, a name Triton's interpreter adds"
+        return None
+
     def _globals_problem(self, kernel: Any, seen: set[int]) -> str | None:
-        """The globals its body reads: constants, Triton's modules and types, or kernels of the
-        same kind (checked in turn). Anything else runs Python of the candidate's inside the
-        launch (a `__bool__`, an `__ne__`) or is not what the text says."""
-        fn = kernel.fn
-        names = self.globals_read.get(fn.__code__)
-        if names is None:
-            names = self.globals_read[fn.__code__] = _globals_read(fn.__code__)
-        for n in names:
-            if n not in fn.__globals__:
-                continue
-            v = fn.__globals__[n]
-            if type(v) in self.kernel_types:
-                if found := self._object_problem(v, seen):
+        """What its def's text reads from outside (body, defaults, annotations): constants,
+        Triton's modules and types, or kernels of the same kind (checked in turn), whether it is
+        the module's or held in a closure; attributes of modules only those they had before the
+        candidate. Anything else runs Python of the candidate's inside the launch (a `__bool__`,
+        an `__ne__`, a function added to a module) or is not what the text says."""
+        fn, name = kernel.fn, _name(kernel)
+        held = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or () if _filled(c))))
+        for r in self.reads.get(name, ()):
+            for n in r.names:
+                for where in (held, fn.__globals__):
+                    if n not in where:
+                        continue
+                    v = where[n]
+                    found = (self._object_problem(v, seen) if type(v) in self.kernel_types else
+                             None if self._plain(v) else f"{name} reads {n}, a {type(v).__name__}")
+                    if found:
+                        return found
+            for chain in r.chains:
+                if found := self._chain_problem(name, chain, held.get(chain[0], fn.__globals__.get(chain[0]))):
                     return found
-            elif not self._plain(v):
-                return f"{_name(kernel)} reads the global {n}, a {type(v).__name__}"
+        return None
+
+    def _chain_problem(self, name: str, chain: tuple[str, ...], v: Any) -> str | None:
+        for attr in chain[1:]:
+            if type(v) is not types.ModuleType:
+                return None
+            known = self.module_names.get(v.__name__)
+            if known is not None and attr not in known:
+                return f"{name} reads {v.__name__}.{attr}, which that module did not have"
+            v = getattr(v, attr, None)
         return None
 
     def _plain(self, v: Any) -> bool:
@@ -156,17 +208,6 @@ class LaunchGuard:
         module = sys.modules.get(getattr(v, "__module__", None) or "")
         return bool(module) and module.__name__.startswith("triton.language") and \
             vars(module).get(getattr(v, "__name__", None)) is v
-
-    def _language_problem(self) -> str | None:
-        """Names added to Triton's language modules since before the candidate (a submodule that
-        Triton's compile imports is its own)."""
-        for label, (module, names) in self.language.items():
-            if len(vars(module)) == len(names):
-                continue
-            added = sorted(k for k, v in vars(module).items() if k not in names and not _submodule(module, k, v))
-            if added:
-                return f"{label} was given {', '.join(added[:3])}"
-        return None
 
     def _hooks_problem(self) -> str | None:
         return "Triton's launch hooks were set" if _launch_hooks() != self.hooks else None
@@ -184,11 +225,6 @@ class LaunchGuard:
         return code is not None and os.path.realpath(code.co_filename) == self.file
 
 
-def _submodule(module: types.ModuleType, name: str, value: Any) -> bool:
-    full = f"{module.__name__}.{name}"
-    return type(value) is types.ModuleType and value.__name__ == full and sys.modules.get(full) is value
-
-
 def _is_tritons(fn: Any) -> bool:
     """A function of Triton's own package (its standard library of jitted helpers)."""
     import triton
@@ -197,28 +233,46 @@ def _is_tritons(fn: Any) -> bool:
     return code is not None and os.path.realpath(code.co_filename).startswith(root)
 
 
-def _defs_by_name(text: str) -> dict[str, set[str]]:
-    """Every function the text defines, by name: the dump of its def without decorators."""
-    out: dict[str, set[str]] = {}
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            out.setdefault(node.name, set()).add(_dump(node))
+def _parse(text: str) -> ast.AST:
+    try:
+        return ast.parse(text)
+    except (SyntaxError, ValueError):  # a text that does not parse defines no kernel
+        return ast.Module(body=[], type_ignores=[])
+
+
+def _judged_code(text: str, file: str) -> dict[tuple[str, int], types.CodeType]:
+    """Every function's code in the compiled text, by (name, first line)."""
+    try:
+        todo = [compile(text, file, "exec", dont_inherit=True)]
+    except (SyntaxError, ValueError):
+        return {}
+    out = {}
+    while todo:
+        code = todo.pop()
+        out[(code.co_name, code.co_firstlineno)] = code
+        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
     return out
+
+
+def _code_key(code: types.CodeType) -> tuple:
+    """What a code object does, apart from where its file and lines are."""
+    consts = tuple(_code_key(c) if isinstance(c, types.CodeType) else (type(c).__name__, repr(c))
+                   for c in code.co_consts)
+    return (code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars, consts)
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def _dump(node: ast.AST) -> str:
     bare = ast.FunctionDef(node.name, node.args, node.body, [], node.returns, getattr(node, "type_comment", None),
                            **({"type_params": node.type_params} if hasattr(node, "type_params") else {}))
     return ast.dump(bare, include_attributes=False)
-
-
-def _globals_read(code: types.CodeType) -> frozenset[str]:
-    """The global names a function's code and its nested code load."""
-    out = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            out |= _globals_read(c)
-    return frozenset(out)
 
 
 def _built(kernel: Any) -> tuple:

@@ -79,11 +79,19 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in kernels]
     lines = source.splitlines()
     found: dict[str, None] = dict.fromkeys(_naming_findings(tree, kernels))
+    every_def = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    jitted = kernels | {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                        and any(_is_jit(d) for d in n.decorator_list)}
+    # which def a kernel's name stands for would be the reader's guess
+    found.update(dict.fromkeys(f"{k} is defined more than once" for k in sorted(jitted) if every_def.count(k) > 1))
+    module_names = python | kernels | tl_names | {a.asname or a.name.split(".")[0] for n in body
+                                                   if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     for fn in defs:
         outside = python - _names_bound(fn)
         found.update(dict.fromkeys(_call_findings(fn, outside)))
         found.update(dict.fromkeys(f"{fn.name} reads {n}, a module-level object that is no constant"
-                                   for n in _names_loaded(fn) & outside - constants))
+                                   for n in reads(fn).names & outside - constants))
+        found.update(dict.fromkeys(_builtin_findings(fn, module_names)))
         if any(line.lstrip().startswith("def ") for line in lines[fn.lineno:fn.end_lineno]):
             # Triton's interpreter finds a kernel's def by its text: it would run the last one
             found[f"{fn.name} holds another line starting with 'def '"] = None
@@ -140,9 +148,37 @@ def _constant(v: ast.AST | None, tl_names: set[str]) -> bool:
     return isinstance(v, ast.Attribute) and dotted(v).split(".")[0] in tl_names
 
 
-def _names_loaded(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
-    """The names the body loads (not its decorators, annotations or defaults: no launch runs those)."""
-    return {n.id for stmt in fn.body for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """What a kernel's def reads from outside itself when Triton's interpreter runs its text again:
+    names (its body, its defaults and annotations; not its decorators, which no launch runs) and
+    the attribute chains rooted at them (`tl.math.exp`: ("tl", "math", "exp"))."""
+    names: frozenset[str]
+    chains: frozenset[tuple[str, ...]]
+
+
+def reads(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Reads:
+    args = fn.args
+    parts = [*fn.body, *args.defaults, *(d for d in args.kw_defaults if d is not None),
+             *(a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs) if a.annotation is not None)]
+    nodes = [n for part in parts for n in ast.walk(part)]
+    local = _names_bound(fn)
+    names = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - local
+    chains = {tuple(dotted(n).split(".")) for n in nodes if isinstance(n, ast.Attribute) and dotted(n)}
+    return Reads(frozenset(names), frozenset(c for c in chains if c[0] in names))
+
+
+# Builtins a kernel may name: anything else (`globals`, `getattr`, `__import__`, `open`, ...) reaches
+# the file's Python from inside the kernel
+KERNEL_BUILTINS = frozenset({"range", "min", "max", "len", "print", "isinstance", "int", "float", "bool", "abs",
+                             "tuple", "list", "enumerate", "zip", "str", "divmod", "round", "pow", "sum", "all", "any",
+                             "reversed", "slice", "AssertionError", "ValueError", "RuntimeError", "NotImplementedError",
+                             "True", "False", "None"})
+
+
+def _builtin_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, module_names: set[str]) -> list[str]:
+    return [f"{fn.name} uses the builtin {n}" for n in sorted(reads(fn).names - module_names)
+            if hasattr(builtins, n) and n not in KERNEL_BUILTINS]
 
 
 def _triton_decorated(node: ast.AST, tl_names: set[str]) -> bool:

@@ -53,7 +53,40 @@ def _set_source(kernel, text: str) -> None:
 def test_an_untouched_kernel_may_launch_and_its_globals_are_constants(compiled):
     guard, kernel, boxed = compiled
     assert guard.problem(kernel, {}) is None
-    assert "reads the global BOXES, a list" in guard.problem(boxed, {})
+    assert "boxed_kernel reads BOXES, a list" in guard.problem(boxed, {})
+
+
+def test_the_code_a_kernel_runs_is_what_importing_the_judged_text_made(compiled):
+    """Code put in the kernel function's place, or its first line moved (the interpreter finds the
+    text it runs by that line), is not the judged text's."""
+    guard, kernel, _ = compiled
+    original = kernel.fn.__code__
+    kernel.fn.__code__ = original.replace(co_firstlineno=original.co_firstlineno + 1)
+    assert "code is not the judged text's" in guard.problem(kernel, {})
+    kernel.fn.__code__ = (lambda x_ptr, out_ptr, BLOCK: None).__code__.replace(
+        co_name="copy_kernel", co_firstlineno=original.co_firstlineno, co_filename=original.co_filename)
+    assert "code is not the judged text's" in guard.problem(kernel, {})
+    kernel.fn.__code__ = original
+    assert guard.problem(kernel, {}) is None
+
+
+def test_what_the_text_reads_is_checked_where_it_is_found(compiled):
+    """Its module's builtins are Python's own, and an attribute of a module it reads is one the
+    module had before the candidate (a function added to `triton.language` or `math` is the
+    candidate's Python)."""
+    import triton.language as tl
+
+    guard, kernel, _ = compiled
+    g = kernel.fn.__globals__
+    g["__builtins__"] = {"range": range}
+    assert "module has builtins of its own" in guard.problem(kernel, {})
+    g["__builtins__"] = __builtins__
+    tl.drk_probe = lambda *args: None
+    try:
+        guard.reads["copy_kernel"].append(triton_source.Reads(frozenset({"tl"}), frozenset({("tl", "drk_probe")})))
+        assert "reads triton.language.drk_probe, which that module did not have" in guard.problem(kernel, {})
+    finally:
+        del tl.drk_probe
 
 
 def test_the_text_a_kernel_would_compile_is_the_judged_one(compiled):
@@ -107,6 +140,10 @@ def test_triton_launch_hooks_set_by_the_candidate_stop_its_launches(compiled):
     ("import triton\n@triton.jit(repr=lambda _: 'k')\ndef k(x):\n    pass\n", "renames its kernel on the device"),
     ("import triton\nG = object()\n@triton.jit\ndef k(x):\n    if G:\n        pass\n", "reads G, a module-level object"),
     ("import triton\nimport torch\ndef f(x):\n    torch.relu(x)\nk = triton.jit(fn=f)\n", "f calls torch.relu"),
+    ("import triton\n@triton.jit\ndef k(x):\n    globals()['t'].relu(x)\n", "k uses the builtin globals"),
+    ("import triton\nG = [1]\n@triton.jit\ndef k(x, B=G[0]):\n    pass\n", "k reads G, a module-level object"),
+    ("import triton\n@triton.jit\ndef k(x):\n    pass\nif False:\n    def k(x):\n        pass\n",
+     "k is defined more than once"),
 ])
 def test_the_source_scan_refuses_what_would_run_python_or_show_another_name(text, finding):
     assert any(finding in f for f in triton_source.python_calls(text)), triton_source.python_calls(text)
