@@ -172,7 +172,7 @@ class LaunchGuard:
         candidate. Anything else runs Python of the candidate's inside the launch (a `__bool__`,
         an `__ne__`, a function added to a module) or is not what the text says."""
         fn, name = kernel.fn, _name(kernel)
-        held = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or () if _filled(c))))
+        held = {n: c.cell_contents for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ()) if filled(c)}
         for r in self.reads.get(name, ()):
             for n in r.names:
                 for where in (held, fn.__globals__):
@@ -261,7 +261,8 @@ def _code_key(code: types.CodeType) -> tuple:
     return (code.co_code, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars, consts)
 
 
-def _filled(cell) -> bool:
+def filled(cell) -> bool:
+    """Whether a closure cell holds a value yet."""
     try:
         cell.cell_contents
     except ValueError:

@@ -587,17 +587,9 @@ def _describe_state(watched: dict[str, tuple[Any, str]]) -> str:
     for label in sorted(watched):
         obj = integrity.own_attribute(*watched[label])
         fn = getattr(obj, "__func__", obj)
-        cells = [id(c.cell_contents) for c in getattr(fn, "__closure__", None) or () if _filled(c)]
+        cells = [id(c.cell_contents) for c in getattr(fn, "__closure__", None) or () if launch_guard.filled(c)]
         parts.append(f"{label}:{id(obj)}:{id(getattr(fn, '__code__', None))}:{cells}")
     return "\n".join(parts)
-
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 class _NullForward:
