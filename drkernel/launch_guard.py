@@ -192,10 +192,10 @@ class LaunchGuard:
         for attr in chain[1:]:
             if type(v) is not types.ModuleType:
                 return None
-            known = self.module_names.get(v.__name__)
-            if known is not None and attr not in known:
+            known, inner = self.module_names.get(v.__name__), getattr(v, attr, None)
+            if known is not None and attr not in known and not _submodule(v, attr, inner):
                 return f"{name} reads {v.__name__}.{attr}, which that module did not have"
-            v = getattr(v, attr, None)
+            v = inner
         return None
 
     def _plain(self, v: Any) -> bool:
@@ -223,6 +223,12 @@ class LaunchGuard:
     def _is_candidates(self, fn: Any) -> bool:
         code = getattr(fn, "__code__", None)
         return code is not None and os.path.realpath(code.co_filename) == self.file
+
+
+def _submodule(module: types.ModuleType, name: str, value: Any) -> bool:
+    """A submodule imported since (Triton's compile imports some of its own)."""
+    full = f"{module.__name__}.{name}"
+    return type(value) is types.ModuleType and value.__name__ == full and sys.modules.get(full) is value
 
 
 def _is_tritons(fn: Any) -> bool:

@@ -167,3 +167,14 @@ def test_a_kernel_from_another_file_than_the_candidates_may_not_launch(compiled,
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert "defined outside the candidate's file" in guard.problem(JITFunction(mod.copy_kernel), {})
+
+
+def test_a_submodule_imported_since_is_no_addition(compiled):
+    """Triton's compile imports some of its own submodules after the guard is made: reading one
+    through its package (`tl.extra.cuda`) is not reading a name the candidate added."""
+    import triton.language as tl
+
+    guard, kernel, _ = compiled
+    guard.module_names["triton.language"] = guard.module_names["triton.language"] - {"math"}
+    guard.reads["copy_kernel"].append(triton_source.Reads(frozenset({"tl"}), frozenset({("tl", "math", "exp")})))
+    assert type(tl.math).__name__ == "module" and guard.problem(kernel, {}) is None
