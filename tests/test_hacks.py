@@ -167,6 +167,15 @@ def test_honest_kernels_the_counterfactual_must_see_change(reference, candidate)
     assert r.details["unneeded_kernels"] == [], r.details
 
 
+def test_an_honest_kernel_for_an_output_no_input_moves_is_no_decoy():
+    """Where the reference's output is the same for every input, no kernel can be needed: the
+    counterfactual finding nothing needed is no decoy there."""
+    folder = ROOT / "tests" / "fixtures" / "counterfactual"
+    r = shared_evaluate(str(folder / "constant_output_reference.py"),
+                        (folder / "constant_output_kernel.py").read_text(), cfg())
+    assert r.verdict == "correct", (r.verdict, r.hacks, r.error)
+
+
 def test_output_aliases_input():
     body = """
     n = x.numel()
