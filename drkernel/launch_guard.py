@@ -52,7 +52,7 @@ class LaunchGuard:
         # the names each of Triton's (and math's) modules has before the candidate
         self.module_names = {name: frozenset(vars(m)) for name, m in list(sys.modules.items())
                              if m is not None and (name == "math" or name.split(".")[0] == "triton")}
-        self.hooks = _launch_hooks()
+        self.libraries = tuple(_package_dir(m) for m in ("torch", "triton"))
         self.class_attrs = {t: frozenset(a for t2 in t.__mro__ for a in vars(t2)) for t in self.kernel_types}
         # by the kernel object's id, the object kept alive beside it (no id is reused): what its
         # launches built (`_built`), and the source text found to be the file's
@@ -210,7 +210,10 @@ class LaunchGuard:
             vars(module).get(getattr(v, "__name__", None)) is v
 
     def _hooks_problem(self) -> str | None:
-        return "Triton's launch hooks were set" if _launch_hooks() != self.hooks else None
+        """Triton calls its hooks around a compile, a load and every launch: one that is not
+        torch's or Triton's own is the candidate's Python inside the launch."""
+        foreign = [h for h in _triton_hooks() if not _code_file(h).startswith(self.libraries)]
+        return f"Triton's hooks hold the candidate's {getattr(foreign[0], '__name__', 'callable')}" if foreign else None
 
     def _built_problem(self, kernel: Any) -> str | None:
         """What earlier launches built for this kernel is as they left it (a compiled kernel's
@@ -233,10 +236,8 @@ def _submodule(module: types.ModuleType, name: str, value: Any) -> bool:
 
 def _is_tritons(fn: Any) -> bool:
     """A function of Triton's own package (its standard library of jitted helpers)."""
-    import triton
     code = getattr(fn, "__code__", None)
-    root = os.path.dirname(os.path.realpath(triton.__file__)) + os.sep
-    return code is not None and os.path.realpath(code.co_filename).startswith(root)
+    return code is not None and os.path.realpath(code.co_filename).startswith(_package_dir("triton"))
 
 
 def _parse(text: str) -> ast.AST:
@@ -296,12 +297,34 @@ def _built(kernel: Any) -> tuple:
     return tuple(out)
 
 
-def _launch_hooks() -> tuple:
-    """Triton's global launch hooks (knobs, or the compiled kernel's class on older versions)."""
-    runtime = getattr(sys.modules.get("triton.knobs"), "runtime", None)
-    compiled = getattr(sys.modules.get("triton.compiler.compiler"), "CompiledKernel", None)
-    return (id(getattr(runtime, "launch_enter_hook", None)), id(getattr(runtime, "launch_exit_hook", None)),
-            id(getattr(compiled, "launch_enter_hook", None)), id(getattr(compiled, "launch_exit_hook", None)))
+_HOOKS = ("launch_enter_hook", "launch_exit_hook", "kernel_load_start_hook", "kernel_load_end_hook",
+          "jit_cache_hook", "jit_post_compile_hook")
+
+
+def _triton_hooks() -> list:
+    """Every hook Triton would call: its knobs' (a chain of hooks, or one) and, on older versions,
+    the compiled kernel's class's."""
+    owners = (getattr(sys.modules.get("triton.knobs"), "runtime", None),
+              getattr(sys.modules.get("triton.compiler.compiler"), "CompiledKernel", None))
+    out = []
+    for owner in owners:
+        for name in _HOOKS:
+            hook = getattr(owner, name, None)
+            chained = getattr(hook, "calls", None)
+            out += list(chained) if isinstance(chained, list) else [hook] if callable(hook) else []
+    return out
+
+
+def _code_file(fn: Any) -> str:
+    """The file a callable's Python code comes from ('' for none: a builtin, a partial)."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None) or getattr(getattr(type(fn), "__call__", None), "__code__", None)
+    return os.path.realpath(code.co_filename) if code is not None else ""
+
+
+def _package_dir(name: str) -> str:
+    module = _module(name)
+    return os.path.dirname(os.path.realpath(module.__file__)) + os.sep if module and module.__file__ else os.sep + "\0"
 
 
 def _kernel_types() -> frozenset:

@@ -121,17 +121,30 @@ def test_compiled_kernels_changed_after_their_launch_may_not_launch_again(compil
     assert "compiled kernels were changed after its launch" in guard.problem(kernel, {})
 
 
-def test_triton_launch_hooks_set_by_the_candidate_stop_its_launches(compiled):
+def test_triton_hooks_holding_the_candidates_python_stop_its_launches(compiled):
+    """A hook added to Triton's chain (its identity unchanged) or set in its place runs inside the
+    launch; hooks of Triton's or torch's own code do not count."""
+    import triton.knobs
+
     guard, kernel, _ = compiled
-    runtime = getattr(sys.modules.get("triton.knobs"), "runtime", None)
-    if runtime is None or not hasattr(runtime, "launch_enter_hook"):
-        pytest.skip("this Triton has no knobs.runtime launch hooks")
-    saved = runtime.launch_enter_hook
+    runtime = triton.knobs.runtime
+    chain = getattr(runtime, "launch_enter_hook", None)
+    if not isinstance(getattr(chain, "calls", None), list):
+        pytest.skip("this Triton has no chain of launch hooks")
+    own = triton.cdiv  # a function of Triton's own code
+    chain.add(own)
     try:
-        runtime.launch_enter_hook = lambda *args: None
-        assert guard.problem(kernel, {}) == "Triton's launch hooks were set"
+        assert guard.problem(kernel, {}) is None
+        chain.add(_candidates_hook)
+        assert "Triton's hooks hold the candidate's _candidates_hook" in guard.problem(kernel, {})
     finally:
-        runtime.launch_enter_hook = saved
+        chain.remove(own)
+        chain.remove(_candidates_hook)
+    assert guard.problem(kernel, {}) is None
+
+
+def _candidates_hook(*args, **kwargs):
+    return None
 
 
 @pytest.mark.parametrize("text, finding", [
