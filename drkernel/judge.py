@@ -1567,7 +1567,17 @@ def _reference_fails(what: str):
     except _ReferenceTooSlow:
         raise
     except BaseException as exc:  # noqa: BLE001 - a task file is input, whatever it raises
-        raise Stop("reference_error", exception_text(what, exc)) from None
+        where = f" [{_memory_holders()}]" if type(exc).__name__ == "OutOfMemoryError" else ""
+        raise Stop("reference_error", exception_text(what, exc) + where) from None
+
+
+def _memory_holders() -> str:
+    """`gpumemory.holders`, or why not: it runs on an error's path, which must end as it began."""
+    try:
+        from drkernel.gpumemory import holders
+        return holders()
+    except Exception as exc:  # noqa: BLE001
+        return f"where the memory is: unknown ({type(exc).__name__})"
 
 
 @contextlib.contextmanager

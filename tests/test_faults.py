@@ -198,3 +198,20 @@ def test_a_reference_that_fails_in_its_timing_process_is_the_references_failure(
                                     (UNCOMPILABLE_REFERENCE, (SOLUTIONS / "1_ReLU.py").read_text() + "# another\n")])
     for r in results:
         assert r.verdict == "reference_error" and "timing process" in r.error, (r.verdict, r.error)
+
+
+def test_a_reference_out_of_gpu_memory_says_where_the_judges_memory_is(monkeypatch):
+    """A CUDA out-of-memory error in the reference's code (its inputs, its forward) carries what the
+    judge's own process holds on the GPU, so that one run shows what took the memory."""
+    from drkernel import judge
+
+    class OutOfMemoryError(RuntimeError):  # torch's, by name: this machine has no CUDA
+        pass
+
+    monkeypatch.setattr(judge, "_memory_holders", lambda: "allocated 1.00 GiB, reserved 9.00 GiB")
+    for exc, suffix in ((OutOfMemoryError("CUDA out of memory"), " [allocated 1.00 GiB, reserved 9.00 GiB]"),
+                        (ValueError("bad shape"), "")):
+        with pytest.raises(judge.Stop) as stop:
+            with judge._reference_fails("the reference's get_inputs() failed"):
+                raise exc
+        assert stop.value.verdict == "reference_error" and stop.value.error.endswith(str(exc) + suffix), stop.value.error
