@@ -112,6 +112,11 @@ def holders(top: int = 6) -> str:
                 sizes.append((storage.nbytes(), tuple(obj.shape), str(obj.dtype)))
     sizes.sort(reverse=True)
     big = ", ".join(f"{n / 2**30:.2f} GiB {shape} {dtype}" for n, shape, dtype in sizes[:top])
+    free, total = torch.cuda.mem_get_info()
+    # used on the device beyond what this allocator reserved: other processes', or this process's
+    # own outside torch (a CUDA context, memory mapped from another process)
+    beyond = (total - free - torch.cuda.memory_reserved()) / 2**30
     return (f"allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved "
-            f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB; largest live tensors: {big or 'none'}")
+            f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB, used on the device beyond that {beyond:.2f} GiB; "
+            f"largest live tensors: {big or 'none'}")
 
