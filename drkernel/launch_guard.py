@@ -52,7 +52,9 @@ class LaunchGuard:
         # the names each of Triton's (and math's) modules has before the candidate
         self.module_names = {name: frozenset(vars(m)) for name, m in list(sys.modules.items())
                              if m is not None and (name == "math" or name.split(".")[0] == "triton")}
-        self.libraries = tuple(_package_dir(m) for m in ("torch", "triton"))
+        self.triton_dir = _package_dir("triton")
+        self.libraries = (_package_dir("torch"), self.triton_dir)
+        self.mine: dict[types.CodeType, bool] = {}  # per code object: from the candidate's file
         self.class_attrs = {t: frozenset(a for t2 in t.__mro__ for a in vars(t2)) for t in self.kernel_types}
         # by the kernel object's id, the object kept alive beside it (no id is reused): what its
         # launches built (`_built`), and the source text found to be the file's
@@ -78,7 +80,7 @@ class LaunchGuard:
         if self.interpreted is None:
             return
         cache = self.interpreted.rewritten_fn
-        for fn in [f for f, r in cache.items() if self._is_candidates(f) and r not in self.rewrites]:
+        for fn in [f for f, r in cache.items() if self.is_candidates(f) and r not in self.rewrites]:
             del cache[fn]
 
     # ---- after a launch ---------------------------------------------------------------------------
@@ -87,7 +89,7 @@ class LaunchGuard:
         """Note what Triton built for this kernel in the launch (compiled kernels, rewrites)."""
         self.built[id(kernel)] = (kernel, _built(kernel))
         if self.interpreted is not None:
-            self.rewrites |= {r for f, r in self.interpreted.rewritten_fn.items() if self._is_candidates(f)}
+            self.rewrites |= {r for f, r in self.interpreted.rewritten_fn.items() if self.is_candidates(f)}
 
     # ---- checks -----------------------------------------------------------------------------------
 
@@ -99,9 +101,10 @@ class LaunchGuard:
         name = _name(kernel)
         if type(kernel) not in self.kernel_types:
             return f"{name} is a {type(kernel).__name__}, not Triton's own kernel type"
-        if not self._is_candidates(kernel.fn):
+        if not self.is_candidates(kernel.fn):
             # Triton's own helpers are the library's; any other file is text the judge never read
-            return None if _is_tritons(kernel.fn) else f"{name} is defined outside the candidate's file"
+            tritons = _code_file(kernel.fn).startswith(self.triton_dir)
+            return None if tritons else f"{name} is defined outside the candidate's file"
         shadowing = sorted(a for a in vars(kernel) if a in self.class_attrs[type(kernel)] and callable(vars(kernel)[a]))
         if shadowing:
             return f"{name} has attributes of its own in place of Triton's: {', '.join(shadowing)}"
@@ -223,21 +226,21 @@ class LaunchGuard:
             return f"{_name(kernel)} was compiled outside a launch" if now else None
         return None if before == now else f"{_name(kernel)}'s compiled kernels were changed after its launch"
 
-    def _is_candidates(self, fn: Any) -> bool:
+    def is_candidates(self, fn: Any) -> bool:
+        """Whether a function's code comes from the candidate's file (once per code object: this
+        runs inside every timed launch)."""
         code = getattr(fn, "__code__", None)
-        return code is not None and os.path.realpath(code.co_filename) == self.file
+        if code is None:
+            return False
+        if code not in self.mine:
+            self.mine[code] = os.path.realpath(code.co_filename) == self.file
+        return self.mine[code]
 
 
 def _submodule(module: types.ModuleType, name: str, value: Any) -> bool:
     """A submodule imported since (Triton's compile imports some of its own)."""
     full = f"{module.__name__}.{name}"
     return type(value) is types.ModuleType and value.__name__ == full and sys.modules.get(full) is value
-
-
-def _is_tritons(fn: Any) -> bool:
-    """A function of Triton's own package (its standard library of jitted helpers)."""
-    code = getattr(fn, "__code__", None)
-    return code is not None and os.path.realpath(code.co_filename).startswith(_package_dir("triton"))
 
 
 def _parse(text: str) -> ast.AST:

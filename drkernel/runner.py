@@ -140,7 +140,6 @@ class LaunchRecorder:
         self.flow: dataflow.FlowLog | None = None
         self.expected_stream: Any = None
         self.off_stream: set[str] = set()
-        self._mine: dict[Any, bool] = {}
         self._signatures: dict[Any, inspect.Signature] = {}
         self.installed: dict[str, tuple[Any, str]] = {}
         self.originals: tuple = ()  # Triton's own `run`s, the only launchers `_launch` accepts
@@ -238,12 +237,7 @@ class LaunchRecorder:
         return [(p, *span) for p, span in spans if span is not None]
 
     def _is_mine(self, kernel) -> bool:
-        code = getattr(getattr(kernel, "fn", None), "__code__", None)
-        if code is None:
-            return False
-        if code not in self._mine:  # once per kernel: this runs inside every timed launch
-            self._mine[code] = os.path.realpath(code.co_filename) == self.candidate_file
-        return self._mine[code]
+        return self.guard.is_candidates(getattr(kernel, "fn", None))
 
     def _bind(self, kernel, args: tuple, kwargs: dict) -> dict:
         """The kernel's parameters by name (defaults applied), as a grid callable expects them."""
@@ -524,7 +518,7 @@ class Runner:
 # the launch names or the data-flow log is replaced as it should be)
 _RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "structure", "snapshot", "watched",
                  "threads0", "generators", "job_dir", "candidate", "report")
-_RECORDER_FIXED = ("candidate_file", "argument_types", "_mine", "_signatures", "installed", "expected_stream", "originals",
+_RECORDER_FIXED = ("candidate_file", "argument_types", "_signatures", "installed", "expected_stream", "originals",
                    "guard")
 
 

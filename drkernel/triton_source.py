@@ -76,22 +76,23 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
                for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) for name in _names(t)}
     python = (python - kernels) | {"torch"}
     constants = _constants(body, tl_names)
-    defs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name in kernels]
+    every_def = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    defs = [n for n in every_def if n.name in kernels]
     lines = source.splitlines()
     found: dict[str, None] = dict.fromkeys(_naming_findings(tree, kernels))
-    every_def = [n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    jitted = kernels | {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-                        and any(_is_jit(d) for d in n.decorator_list)}
+    jitted = kernels | {n.name for n in every_def if any(_is_jit(d) for d in n.decorator_list)}
+    names = [n.name for n in every_def]
     # which def a kernel's name stands for would be the reader's guess
-    found.update(dict.fromkeys(f"{k} is defined more than once" for k in sorted(jitted) if every_def.count(k) > 1))
+    found.update(dict.fromkeys(f"{k} is defined more than once" for k in sorted(jitted) if names.count(k) > 1))
     module_names = python | kernels | tl_names | {a.asname or a.name.split(".")[0] for n in body
                                                    if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     for fn in defs:
-        outside = python - _names_bound(fn)
+        outside, read = python - _names_bound(fn), reads(fn).names
         found.update(dict.fromkeys(_call_findings(fn, outside)))
         found.update(dict.fromkeys(f"{fn.name} reads {n}, a module-level object that is no constant"
-                                   for n in reads(fn).names & outside - constants))
-        found.update(dict.fromkeys(_builtin_findings(fn, module_names)))
+                                   for n in read & outside - constants))
+        found.update(dict.fromkeys(f"{fn.name} uses the builtin {n}" for n in sorted(read - module_names)
+                                   if hasattr(builtins, n) and n not in KERNEL_BUILTINS))
         if any(line.lstrip().startswith("def ") for line in lines[fn.lineno:fn.end_lineno]):
             # Triton's interpreter finds a kernel's def by its text: it would run the last one
             found[f"{fn.name} holds another line starting with 'def '"] = None
@@ -172,13 +173,7 @@ def reads(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Reads:
 # the file's Python from inside the kernel
 KERNEL_BUILTINS = frozenset({"range", "min", "max", "len", "print", "isinstance", "int", "float", "bool", "abs",
                              "tuple", "list", "enumerate", "zip", "str", "divmod", "round", "pow", "sum", "all", "any",
-                             "reversed", "slice", "AssertionError", "ValueError", "RuntimeError", "NotImplementedError",
-                             "True", "False", "None"})
-
-
-def _builtin_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, module_names: set[str]) -> list[str]:
-    return [f"{fn.name} uses the builtin {n}" for n in sorted(reads(fn).names - module_names)
-            if hasattr(builtins, n) and n not in KERNEL_BUILTINS]
+                             "reversed", "slice", "AssertionError", "ValueError", "RuntimeError", "NotImplementedError"})
 
 
 def _triton_decorated(node: ast.AST, tl_names: set[str]) -> bool:
