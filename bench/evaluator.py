@@ -46,11 +46,12 @@ def _row(label: str, results: list) -> dict:
     speedups = [r.speedup for r in results if r.speedup is not None]
     walls = [r.wall_s for r in results]
     return dict(case=label, verdict=last.verdict, verdicts=[r.verdict for r in results], hacks=last.hacks,
-                error=(last.error or "")[:200], baseline=last.baseline, ref_ms=last.ref_ms,
+                error=last.error or "", baseline=last.baseline, ref_ms=last.ref_ms,
                 candidate_ms=last.candidate_ms, ref_ms_isolated=last.details.get("ref_ms_isolated"),
                 speedups=speedups, precise=[r.speedup_precise for r in results], wall_s=walls,
                 median_wall_s=statistics.median(walls), triton_time_share=last.triton_time_share,
                 phase_s=last.details.get("phase_s"), split_s=last.details.get("split_s"),
+                memory_gib_by_phase=last.details.get("memory_peak_gib_by_phase"),
                 spread=(max(speedups) / min(speedups) - 1) if len(speedups) > 1 else None)
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -121,12 +121,14 @@ def _is_view(func) -> bool:
 class FlowLog(TorchDispatchMode):
     """Logs every aten op run under it as an `Event`; `launch` adds a Triton launch in order."""
 
-    def __init__(self, keys: Keys):
+    def __init__(self, keys: Keys, watch: Callable[[], list[str]] | None = None):
         super().__init__()
         self.keys = keys
         self.events: list[Event] = []
         self.truncated = False
         self.paused = 0  # inside a launch (Triton's interpreter copies its arguments with torch ops)
+        self.watch = watch  # asked before every op: what differs from how the evaluator set things
+        self.changed: list[str] = []  # its first answer that named something
 
     def _add(self, event: Event) -> None:
         if len(self.events) >= MAX_EVENTS:
@@ -136,6 +138,8 @@ class FlowLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.watch is not None and not self.changed:
+            self.changed = self.watch()
         out = func(*args, **kwargs)
         if not self.paused and not _is_view(func):
             self._add(self._event(func, args, kwargs, out))

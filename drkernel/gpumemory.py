@@ -6,6 +6,7 @@ when their estimates fit beside each other (`sandbox.MemoryLedger`).
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 import weakref
@@ -116,7 +117,9 @@ def holders(top: int = 6) -> str:
     # used on the device beyond what this allocator reserved: other processes', or this process's
     # own outside torch (a CUDA context, memory mapped from another process)
     beyond = (total - free - torch.cuda.memory_reserved()) / 2**30
+    # every process's share as the driver sees it (pynvml), to tell this one's from its runners'
+    procs = " ".join(torch.cuda.list_gpu_processes().split())
     return (f"allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved "
             f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB, used on the device beyond that {beyond:.2f} GiB; "
-            f"largest live tensors: {big or 'none'}")
+            f"largest live tensors: {big or 'none'}; this process is {os.getpid()}; {procs}")
 

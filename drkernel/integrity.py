@@ -69,6 +69,10 @@ def static_scan(source: str | ast.AST, reference_path: str | None = None) -> lis
 
 
 def _node_findings(node: ast.AST, reference_path: str | None) -> list[tuple[str, str]]:
+    return _numerics_findings(node) + _other_findings(node, reference_path)
+
+
+def _other_findings(node: ast.AST, reference_path: str | None) -> list[tuple[str, str]]:
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         return _import_findings(node)
     if isinstance(node, ast.Attribute):
@@ -316,6 +320,54 @@ def _dispatch_modes() -> int:
     return len(_get_current_dispatch_mode_stack())
 
 
+# Flags that trade precision for speed (TF32, reduced-precision reductions, fp16 accumulation) or
+# let cuDNN pick faster algorithms: the reference is timed with each at its default, so a candidate
+# may not turn one on, not even inside a call (`NumericsWatch`), and its source may not set one
+_NUMERICS = ("cuda.matmul.allow_tf32", "cuda.matmul.fp16_reduced", "cuda.matmul.bf16_reduced",
+             "cuda.matmul.fp16_accumulation", "cudnn.allow_tf32", "cudnn.benchmark", "float32_matmul_precision")
+_NUMERICS_FLAGS = {"allow_tf32", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction",
+                   "allow_fp16_accumulation", "fp32_precision", "set_float32_matmul_precision", "set_flush_denormal"}
+_NUMERICS_SETTER_WORDS = ("tf32", "precision", "reduced", "accumulation", "denormal", "cublas", "cudnn",
+                          "onednn", "mkldnn")
+
+
+def _numerics_name(name: str) -> bool:
+    """A flag of `_NUMERICS_FLAGS` or one of torch's private setters of such flags (`_set_cublas_...`)."""
+    return name in _NUMERICS_FLAGS or (name.startswith("_set_") and any(w in name for w in _NUMERICS_SETTER_WORDS))
+
+
+def _numerics_findings(node: ast.AST) -> list[tuple[str, str]]:
+    """A numerics flag set by the source: assigned (except to its default), a setter named, or a
+    flag's name as a string (for `setattr`). Reading a flag, and `tl.dot(..., allow_tf32=False)`, pass."""
+    if isinstance(node, ast.Assign):
+        default = isinstance(node.value, ast.Constant) and node.value.value in (False, "highest", "ieee")
+        return [("global_state_changed", f"sets {dotted(t) or t.attr} (a numerics flag the reference is timed without)")
+                for t in node.targets if isinstance(t, ast.Attribute) and _numerics_name(t.attr) and not default]
+    if isinstance(node, ast.Attribute) and node.attr.startswith(("set_", "_set_")) and _numerics_name(node.attr):
+        return [("global_state_changed", f"{dotted(node) or node.attr} (sets a numerics flag)")]
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and _numerics_name(node.value):
+        return [("global_state_changed", f"string {node.value!r} (names a numerics flag)")]
+    if isinstance(node, ast.ImportFrom):
+        return [("global_state_changed", f"imports {a.name} (sets a numerics flag)")
+                for a in node.names if a.name.startswith(("set_", "_set_")) and _numerics_name(a.name)]
+    return []
+
+
+class NumericsWatch:
+    """The numerics flags (`_NUMERICS`) as they were before the candidate ran; `changed()` names
+    those that differ now. Cheap enough to ask at every torch op of a checked call, where a flag
+    turned on around one op and off again before the call returns is still on."""
+
+    def __init__(self):
+        readers = _flag_readers()
+        self.readers = [(name, readers[name]) for name in _NUMERICS]
+        self.baseline = [_read(reader) for _, reader in self.readers]
+
+    def changed(self) -> list[str]:
+        now = [_read(reader) for _, reader in self.readers]
+        return [f"{name}: {b} -> {v}" for (name, _), b, v in zip(self.readers, self.baseline, now) if v != b]
+
+
 def _flag_readers() -> dict[str, Any]:
     """Name -> a function that reads one flag that changes numerics or what the evaluator observes."""
     import torch
@@ -323,6 +375,7 @@ def _flag_readers() -> dict[str, Any]:
         "cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
         "cuda.matmul.fp16_reduced": lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
         "cuda.matmul.bf16_reduced": lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+        "cuda.matmul.fp16_accumulation": lambda: torch.backends.cuda.matmul.allow_fp16_accumulation,
         "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
         "cudnn.enabled": lambda: torch.backends.cudnn.enabled,
         "cudnn.benchmark": lambda: torch.backends.cudnn.benchmark,
@@ -341,8 +394,15 @@ def _flag_readers() -> dict[str, Any]:
         "threading.trace_hook": lambda: repr(getattr(threading, "_trace_hook", None)),
         "threading.profile_hook": lambda: repr(getattr(threading, "_profile_hook", None)),
         "anomaly": torch.is_anomaly_enabled,
+        "flush_denormal": _flushes_denormals,
     }
     return readers
+
+
+def _flushes_denormals() -> bool:
+    """Whether the CPU flushes denormals to zero (`torch.set_flush_denormal`, which has no getter)."""
+    import torch
+    return float(torch.tensor(1e-38, dtype=torch.float32) * 0.5) == 0.0
 
 
 def _read(reader) -> Any:

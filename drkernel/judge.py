@@ -370,6 +370,7 @@ def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False, keep: b
     before = _scheduling(j)
     c = call(j.ref, j.runner, seed, mode, signed, keep, perturb)
     j.spend("candidate", t)
+    _findings(j, c.reply)
     if c.reply.get("output_in_arena") and not j.ref.ref_aliases:
         j.hack("output_aliases_input", f"a {mode} call returned a view of the judge's arena (an input or the "
                                        "output slot), which the copy into the slot skips", stop=False)
@@ -751,7 +752,6 @@ def _own_kernels(j: Judge, names) -> set[str]:
 def _trial_hacks(j: Judge, ti: int, c: Call) -> None:
     """Hack codes from one checked call's self-reported facts."""
     r = c.reply
-    _findings(j, r)
     _check_processes(j, f"trial {ti}")
     if r.get("bad_type"):
         j.hack("bad_output_type", str(r["bad_type"])[:300])
@@ -1455,7 +1455,6 @@ def _right_without(j: Judge, kernel: str, signed: bool) -> tuple[bool | None, se
             c = call_candidate(j, fresh_seed(), "check", signed=signed, keep=True, perturb=(kernel,))
         except Stop:
             return None, set()
-        _findings(j, c.reply)
         right = c.output is not None and compare.compare(
             c.output, run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed), j.cfg).ok
         return right, _own_kernels(j, c.reply.get("kernels"))

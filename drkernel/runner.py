@@ -287,6 +287,7 @@ class Runner:
         self.structure: Any = None
         self.model: Any = None
         self.snapshot: Any = None
+        self.numerics: integrity.NumericsWatch | None = None
         self.watched: dict[str, tuple[Any, str]] = {}
         self.evidence_state = ""
         self.threads0: set[int] = set()
@@ -334,6 +335,7 @@ class Runner:
             self.recorder.expected_stream = torch.cuda.current_stream(self.device)
         with torch.no_grad():
             self.snapshot = integrity.IntegritySnapshot(extra=self.watched)
+        self.numerics = integrity.NumericsWatch()
         self.threads0 = integrity.python_threads()
         self.evidence_state = self.describe()
         _forget_harness_modules()
@@ -373,7 +375,7 @@ class Runner:
         if mode == "null":
             self.null = self.null or _NullForward(self.slots)
         forward = self.null if mode == "null" else self.model
-        flow = dataflow.FlowLog(self.keys) if mode == "check" else None
+        flow = dataflow.FlowLog(self.keys, self.numerics.changed) if mode == "check" else None
         for g in self.generators:  # as the judge seeds the reference's forward; `torch.manual_seed`
             g.manual_seed(int(msg["seed"]))  # would also call backends a candidate can register
         self.recorder.begin(flow, bool(msg.get("changes")), frozenset(map(str, msg.get("perturb") or ())))
@@ -388,7 +390,7 @@ class Runner:
                 else:
                     ms, out = self._timed(forward, flow)
                 t1 = _perf()
-                findings = self.integrity("call") if mode == "check" else []
+                findings = self.integrity("call") if mode == "check" else self._numerics(mode)
         except BaseException as exc:  # noqa: BLE001
             self.recorder.end()
             return {"error": _describe(exc)}
@@ -404,6 +406,8 @@ class Runner:
             self.torch.cuda.synchronize(self.device)
         if flow is not None and not reply.get("structure"):  # an output of the wrong kind is judged already
             reply.update(self._facts(out, flow))
+        if flow is not None and flow.changed:
+            findings.append(["global_state_changed", "inside a checked call: " + ", ".join(flow.changed)])
         if findings:
             reply["findings"] = findings
         self.prev_out = _kept_storages(out) if mode == "check" else []
@@ -488,6 +492,11 @@ class Runner:
         if threads:
             found.append(["thread_spawned", f"{where}: {len(threads)} new Python thread(s) alive"])
         return found
+
+    def _numerics(self, mode: str) -> list[list[str]]:
+        """After a call not checked in full: the numerics flags only (a few reads)."""
+        changed = self.numerics.changed()
+        return [["global_state_changed", f"after a {mode} call: " + ", ".join(changed)]] if changed else []
 
     def final(self, msg: dict) -> dict:
         with self.torch.no_grad():

@@ -802,6 +802,7 @@ def test_the_calibration_stand_in_is_made_once_so_no_null_call_pays_its_copy(mon
     r = runner.Runner(str(tmp_path), confine.Confinement())
     r.torch, r.device, r.recorder = torch, torch.device("cpu"), runner.LaunchRecorder(str(tmp_path / "c.py"))
     r.inputs, r.slots, r.keys = [torch.ones(8)], [torch.zeros(8)], runner.dataflow.Keys()
+    r.numerics = integrity.NumericsWatch()
     r.structure = json.loads(json.dumps(compare.structure(torch.zeros(8)), default=str))
     for seed in range(3):
         reply = r.call({"op": "call", "mode": "null", "seed": seed})
@@ -853,7 +854,7 @@ def test_the_runner_keeps_no_checked_output_alive_but_still_sees_a_cached_one(tm
     r.torch, r.device, r.recorder = torch, torch.device("cpu"), runner.LaunchRecorder(str(tmp_path / "c.py"))
     r.inputs, r.slots, r.model = [torch.ones(8)], [torch.zeros(8)], Model()
     r.structure = json.loads(json.dumps(compare.structure(torch.zeros(8)), default=str))
-    r.keys = dataflow.Keys()
+    r.keys, r.numerics = dataflow.Keys(), integrity.NumericsWatch()
     r.integrity = lambda where: []
     for cache in (False, True):
         Model.cache = cache
@@ -863,6 +864,42 @@ def test_the_runner_keeps_no_checked_output_alive_but_still_sees_a_cached_one(tm
     Model.dlpack, Model.kept = True, None
     replies = [r.call({"op": "call", "mode": "check", "seed": s}) for s in range(2)]
     assert replies[1]["reuses_previous_output"] is True, replies[1]
+
+
+def test_a_numerics_flag_turned_on_inside_a_call_is_seen(tmp_path):
+    """TF32 turned on around torch's matmul and off before forward returns: nothing is left for the
+    after-call snapshot, so a checked call asks at every torch op; a flag left on after a call of
+    any kind (a timed one too) is a finding of that call."""
+    import torch
+
+    from drkernel import compare, confine, dataflow, runner
+
+    class Model(torch.nn.Module):
+        restore = True
+
+        def forward(self, x):
+            mm = torch.backends.cuda.matmul
+            old, mm.allow_tf32 = mm.allow_tf32, True
+            y = x * 2
+            if Model.restore:
+                mm.allow_tf32 = old
+            return y
+
+    r = runner.Runner(str(tmp_path), confine.Confinement())
+    r.torch, r.device, r.recorder = torch, torch.device("cpu"), runner.LaunchRecorder(str(tmp_path / "c.py"))
+    r.inputs, r.slots, r.model = [torch.ones(8)], [torch.zeros(8)], Model()
+    r.structure = json.loads(json.dumps(compare.structure(torch.zeros(8)), default=str))
+    r.keys, r.integrity = dataflow.Keys(), lambda where: []
+    r.numerics = integrity.NumericsWatch()
+    try:
+        assert r.call({"op": "call", "mode": "time", "seed": 0}).get("findings") is None
+        found = r.call({"op": "call", "mode": "check", "seed": 0})["findings"]
+        assert found[0][0] == "global_state_changed" and "inside a checked call" in found[0][1], found
+        Model.restore = False
+        found = r.call({"op": "call", "mode": "time", "seed": 1})["findings"]
+        assert found[0][0] == "global_state_changed" and "after a time call" in found[0][1], found
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = False
 
 
 def test_waiting_for_other_jobs_memory_does_not_use_up_the_references_time():

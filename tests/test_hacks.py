@@ -530,8 +530,27 @@ def test_the_source_scan_finds_the_routes_to_the_runners_frames(snippet):
 
 
 @pytest.mark.parametrize("snippet", [
+    "torch.backends.cuda.matmul.allow_tf32 = True",
+    "mm = torch.backends.cuda.matmul\nmm.allow_fp16_reduced_precision_reduction = True",
+    "torch.backends.cuda.matmul.fp32_precision = 'tf32'",
+    "torch.set_float32_matmul_precision('high')",
+    "setattr(torch.backends.cudnn, 'allow_tf32', True)",
+    "from torch._C import _set_cublas_allow_tf32",
+    "torch._C._set_cudnn_allow_tf32(True)",
+    "torch.set_flush_denormal(True)",
+])
+def test_the_source_scan_finds_numerics_flags_set(snippet):
+    """Flags that trade precision for speed: the reference is timed without them, and one turned on
+    inside forward and off before it returns leaves nothing for the after-call snapshot to see."""
+    assert "global_state_changed" in {code for code, _ in integrity.static_scan(snippet)}, snippet
+
+
+@pytest.mark.parametrize("snippet", [
     "for name in ('weight', 'bias'):\n    setattr(self, name, nn.Parameter(getattr(ref, name).clone()))",
     "def forward(self, x):\n    return self._dispatch(x)",  # a helper's name is not one of torch's mode readers
+    "acc += tl.dot(a, b, allow_tf32=False)",  # Triton's own keyword
+    "torch.backends.cuda.matmul.allow_tf32 = False",  # its default
+    "tf32 = torch.backends.cuda.matmul.allow_tf32",  # read only
 ])
 def test_the_source_scan_passes_what_honest_kernels_write(snippet):
     assert integrity.static_scan(snippet) == [], snippet
