@@ -135,8 +135,8 @@ def _static_checks(cand_code: str, cfg: EvalConfig, ref_path: str) -> EvalResult
                           error="no_triton_kernel: the candidate's source defines no @triton.jit kernel")
     calls = python_calls(cand_code, tree)
     if calls:
-        return EvalResult(verdict="compile_error", error=f"a @triton.jit kernel calls Python that Triton cannot "
-                                                         f"compile: {'; '.join(calls[:4])}")
+        return EvalResult(verdict="compile_error", error=f"the @triton.jit kernels cannot be judged as written (Python "
+                                                         f"Triton does not compile, or a borrowed name): {'; '.join(calls[:4])}")
     return _scan_verdict(tree, ref_path)
 
 

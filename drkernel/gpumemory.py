@@ -118,7 +118,10 @@ def holders(top: int = 6) -> str:
     # own outside torch (a CUDA context, memory mapped from another process)
     beyond = (total - free - torch.cuda.memory_reserved()) / 2**30
     # every process's share as the driver sees it (pynvml), to tell this one's from its runners'
-    procs = " ".join(torch.cuda.list_gpu_processes().split())
+    try:
+        procs = " ".join(torch.cuda.list_gpu_processes().split())
+    except Exception as exc:  # noqa: BLE001 - NVML's own errors; the rest of the text still helps
+        procs = f"processes unknown ({type(exc).__name__})"
     return (f"allocated {torch.cuda.memory_allocated() / 2**30:.2f} GiB, reserved "
             f"{torch.cuda.memory_reserved() / 2**30:.2f} GiB, used on the device beyond that {beyond:.2f} GiB; "
             f"largest live tensors: {big or 'none'}; this process is {os.getpid()}; {procs}")
