@@ -63,13 +63,11 @@ def static_scan(source: str | ast.AST, reference_path: str | None = None) -> lis
     except UNPARSABLE:  # the evaluator's own parse gives the verdict
         return []
     found: dict[tuple[str, str], None] = {}  # ordered and each once, in linear time
+    defaults = {id(n.func) for n in ast.walk(tree) if _sets_default(n)}
     for node in ast.walk(tree):
-        found.update(dict.fromkeys(_node_findings(node, reference_path)))
+        numerics = _numerics_findings(node) if id(node) not in defaults else []
+        found.update(dict.fromkeys(numerics + _other_findings(node, reference_path)))
     return list(found)
-
-
-def _node_findings(node: ast.AST, reference_path: str | None) -> list[tuple[str, str]]:
-    return _numerics_findings(node) + _other_findings(node, reference_path)
 
 
 def _other_findings(node: ast.AST, reference_path: str | None) -> list[tuple[str, str]]:
@@ -157,7 +155,19 @@ def _dynamic_attribute(node: ast.AST) -> bool:
     `getattr(F, self.activation)`)."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2
-            and not isinstance(node.args[1], (ast.Constant, ast.Name, ast.Attribute)))
+            and not isinstance(node.args[1], (ast.Constant, ast.Name, ast.Attribute))
+            and not _plain_fstring(node.args[1]))
+
+
+def _plain_fstring(node: ast.AST) -> bool:
+    """`f"fc{i}"`: text parts of plain identifier characters that begin no private, dunder or
+    frame-reaching name (as open as a name held in a variable, which passes)."""
+    if not isinstance(node, ast.JoinedStr):
+        return False
+    parts = [v.value for v in node.values if isinstance(v, ast.Constant)]
+    reaching = _REF_ATTRS | _REACH_ATTRS
+    return all(isinstance(p, str) and p.replace("_", "a").isalnum() and not p.startswith("_")
+               and not any(a.startswith(p) for a in reaching) for p in parts)
 
 
 # --------------------------------------------------------------------------------------
@@ -340,7 +350,7 @@ def _numerics_findings(node: ast.AST) -> list[tuple[str, str]]:
     """A numerics flag set by the source: assigned (except to its default), a setter named, or a
     flag's name as a string (for `setattr`). Reading a flag, and `tl.dot(..., allow_tf32=False)`, pass."""
     if isinstance(node, ast.Assign):
-        default = isinstance(node.value, ast.Constant) and node.value.value in (False, "highest", "ieee")
+        default = isinstance(node.value, ast.Constant) and node.value.value in _DEFAULTS
         return [("global_state_changed", f"sets {dotted(t) or t.attr} (a numerics flag the reference is timed without)")
                 for t in node.targets if isinstance(t, ast.Attribute) and _numerics_name(t.attr) and not default]
     if isinstance(node, ast.Attribute) and node.attr.startswith(("set_", "_set_")) and _numerics_name(node.attr):
@@ -351,6 +361,16 @@ def _numerics_findings(node: ast.AST) -> list[tuple[str, str]]:
         return [("global_state_changed", f"imports {a.name} (sets a numerics flag)")
                 for a in node.names if a.name.startswith(("set_", "_set_")) and _numerics_name(a.name)]
     return []
+
+
+_DEFAULTS = (False, "highest", "ieee")
+
+
+def _sets_default(node: ast.AST) -> bool:
+    """A numerics setter called with its default (`torch.set_float32_matmul_precision("highest")`)."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _numerics_name(node.func.attr)
+            and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Constant)
+            and node.args[0].value in _DEFAULTS)
 
 
 class NumericsWatch:

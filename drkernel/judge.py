@@ -167,6 +167,7 @@ class Judge:
     flow: Flow = dataclasses.field(default_factory=Flow)
     patterns: launch_pattern.Patterns = dataclasses.field(default_factory=launch_pattern.Patterns)
     last_launches: dict[str, int] = dataclasses.field(default_factory=dict)  # the last call's, per kernel
+    borrowed: set[str] = dataclasses.field(default_factory=set)  # its kernels' names other device code ran under
     honest_extra: float = 0.0  # the judge's clock over the reference's own time, per ms (`_honest_extra`)
     reference_excess_ms: float = 0.0  # the same in ms a call, unscaled (what counts on a CPU)
     sched: dict = dataclasses.field(default_factory=dict)  # pid -> `_sched_of`, before any candidate code
@@ -757,9 +758,12 @@ def _trial_hacks(j: Judge, ti: int, c: Call) -> None:
         j.hack("bad_output_type", str(r["bad_type"])[:300])
     if r.get("structure"):
         j.hack("bad_output_type", str(r.get("mismatch"))[:300])
-    if r.get("reuses_previous_output"):
-        j.hack("output_cached", f"trial {ti}: output shares storage with an earlier call's output")
     own = _own_kernels(j, r.get("kernels"))
+    # a buffer kept and rewritten by this call's own launches is an honest reuse: what they wrote
+    # is judged by the data flow and the values; returned again with no launch, it is a cache
+    if r.get("reuses_previous_output") and not own:
+        j.hack("output_cached", f"trial {ti}: output shares storage with an earlier call's output, and no kernel "
+                                "of the candidate's ran")
     if j.cfg.require_triton and not own:
         j.hack("no_triton_kernel", f"trial {ti}: forward launched no Triton kernel of the candidate's source "
                                    "over a non-empty grid")
@@ -1341,6 +1345,9 @@ def _launches_ran(j: Judge, rows: list[tuple[str, int, float]], i: int) -> None:
         if name in j.kernels and ran.get(name, 0) < n:
             j.hack("forged_reply", f"profiled call {i}: {n} launch(es) of {name} recorded, {ran.get(name, 0)} ran "
                                    "on the device")
+    # more on the device than recorded: other code (a library's kernel, torch.compile's) ran under
+    # the name of one of the candidate's kernels, and its time would count as the candidate's
+    j.borrowed |= {name for name, n in ran.items() if n > j.last_launches.get(name, 0)}
 
 
 def _profile_doubt(j: Judge, summary: dict, rows: list[tuple[str, int, float]], wall_ms: float) -> str | None:
@@ -1348,6 +1355,8 @@ def _profile_doubt(j: Judge, summary: dict, rows: list[tuple[str, int, float]], 
     this clock, or a kernel of the candidate's launched more often a call than in any checked call."""
     if summary["total_device_ms"] > wall_ms:
         return f"the traces claim {summary['total_device_ms']:.3f} ms of device time in {wall_ms:.3f} ms"
+    if j.borrowed:
+        return f"device kernels named like the candidate's {', '.join(sorted(j.borrowed))} ran more often than it launched them"
     for name, calls in profiling.candidate_launches(rows, j.kernels).items():
         if calls > _PROFILED_CALLS * j.flow.most.get(name, 0):
             return f"{name} launched {calls} times in {_PROFILED_CALLS} profiled calls, at most " \

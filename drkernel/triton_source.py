@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
-import re
 
 from drkernel.tasks import UNPARSABLE
 
@@ -49,12 +48,6 @@ def _wrapped(call: ast.Call) -> ast.AST | None:
     return call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "fn"), None)
 
 
-# Device kernel names of vendor libraries and of torch's own generated kernels: a kernel of the
-# candidate's named like one would have their device time counted as its own
-_BORROWED_NAME = re.compile(r"^(sm\d+_|ampere_|volta_|turing_|hopper_|blackwell_|nvjet|cutlass|cudnn|cublas|cunn_|"
-                            r"triton_(poi|per|red|tem|for)_|flash_(fwd|bwd)|fmha)|xmma", re.IGNORECASE)
-
-
 def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     """What inside `jit` kernels would run the file's own Python or show on the device as other
     code: calls to a plain function or a module-level object (not a kernel, not decorated from
@@ -79,7 +72,7 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     every_def = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     defs = [n for n in every_def if n.name in kernels]
     lines = source.splitlines()
-    found: dict[str, None] = dict.fromkeys(_naming_findings(tree, kernels))
+    found: dict[str, None] = dict.fromkeys(_naming_findings(tree))
     jitted = kernels | {n.name for n in every_def if any(_is_jit(d) for d in n.decorator_list)}
     names = [n.name for n in every_def]
     # which def a kernel's name stands for would be the reader's guess
@@ -117,18 +110,28 @@ def _call_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, outside: set[str]
     return out
 
 
-def _naming_findings(tree: ast.AST, kernels: set[str]) -> list[str]:
-    """Kernels named like a library's, and `jit` calls that rename a kernel on the device."""
-    out = [f"the kernel {k} is named like a library's or torch's own kernel" for k in sorted(kernels)
-           if _BORROWED_NAME.search(k)]
+def _naming_findings(tree: ast.AST) -> list[str]:
+    """`jit` calls that rename a kernel on the device. (A kernel named like a library's needs no
+    rule here: where the device runs that name more often than the candidate launched it, the
+    share is not believed, `judge._launches_ran`.)"""
     calls = (c for c in ast.walk(tree) if isinstance(c, ast.Call) and _is_jit(c.func))
-    return out + [f"a jit call renames its kernel on the device: {ast.unparse(c)[:60]}" for c in calls
-                  if any(k.arg == "repr" for k in c.keywords)]
+    return [f"a jit call renames its kernel on the device: {ast.unparse(c)[:60]}" for c in calls
+            if any(k.arg == "repr" for k in c.keywords)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scope:
+    """What a module-level constant expression may use: Triton's module names, the names found
+    constant so far, and `math` and the numeric builtins where the module does not rebind them."""
+    tl_names: frozenset[str]
+    known: frozenset[str] = frozenset()
+    math: bool = False
+    numeric: frozenset[str] = frozenset()
 
 
 def _constants(body: list[ast.stmt], tl_names: set[str]) -> set[str]:
-    """Module-level names every binding of which is a literal, `constexpr(literal)` or an
-    attribute of Triton's (`tl.float32`)."""
+    """Module-level names every binding of which is a constant expression (`_constant`), in turn
+    over names found constant before (`LOG2E = 1.44`, then `C = tl.constexpr(2 * LOG2E)`)."""
     values: dict[str, list[ast.AST | None]] = {}
     for n in body:
         if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
@@ -136,17 +139,42 @@ def _constants(body: list[ast.stmt], tl_names: set[str]) -> set[str]:
                 for name in _names(t):
                     values.setdefault(name, []).append(n.value if isinstance(t, ast.Name)
                                                        and not isinstance(n, ast.AugAssign) else None)
-    return {name for name, vs in values.items() if all(_constant(v, tl_names) for v in vs)}
+    scope = _Scope(frozenset(tl_names), math=_imports_math(body) and "math" not in values,
+                   numeric=frozenset({"float", "int"} - values.keys()))
+    while True:
+        known = frozenset(name for name, vs in values.items() if all(_constant(v, scope) for v in vs))
+        if known == scope.known:
+            return set(known)
+        scope = dataclasses.replace(scope, known=known)
 
 
-def _constant(v: ast.AST | None, tl_names: set[str]) -> bool:
-    if isinstance(v, ast.UnaryOp):
-        v = v.operand
+def _imports_math(body: list[ast.stmt]) -> bool:
+    """`import math` (as itself) at module level: its functions then give plain numbers."""
+    return any(isinstance(n, ast.Import) and any(a.name == "math" and a.asname is None for a in n.names) for n in body)
+
+
+def _constant(v: ast.AST | None, scope: _Scope) -> bool:
+    """A literal, arithmetic over constants (names found constant, `math`'s constants and functions,
+    `float("inf")`), `constexpr(...)` of one, or an attribute of Triton's (`tl.float32`). What it
+    evaluates to is checked again at each launch (`launch_guard`): a plain number or Triton's own."""
     if isinstance(v, ast.Constant):
         return True
-    if isinstance(v, ast.Call) and dotted(v.func).rsplit(".", 1)[-1] == "constexpr" and len(v.args) == 1:
-        return _constant(v.args[0], tl_names)
-    return isinstance(v, ast.Attribute) and dotted(v).split(".")[0] in tl_names
+    if isinstance(v, ast.UnaryOp):
+        return _constant(v.operand, scope)
+    if isinstance(v, ast.BinOp):
+        return _constant(v.left, scope) and _constant(v.right, scope)
+    if isinstance(v, ast.Name):
+        return v.id in scope.known
+    if isinstance(v, ast.Call) and not v.keywords:
+        callee = dotted(v.func)
+        if callee.rsplit(".", 1)[-1] == "constexpr" and len(v.args) == 1:
+            return _constant(v.args[0], scope)
+        numeric = callee in scope.numeric or (scope.math and callee.startswith("math.") and callee.count(".") == 1)
+        return numeric and all(_constant(a, scope) for a in v.args)
+    if isinstance(v, ast.Attribute):
+        root = dotted(v).split(".")[0]
+        return root in scope.tl_names or (scope.math and root == "math" and isinstance(v.value, ast.Name))
+    return False
 
 
 @dataclasses.dataclass(frozen=True)

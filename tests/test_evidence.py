@@ -594,6 +594,26 @@ def test_recorded_launches_the_device_never_ran_are_a_forged_record():
     assert err.value.code == "forged_reply" and "2 launch(es) of scratch_kernel recorded, 1 ran" in err.value.detail
 
 
+def test_device_kernels_that_borrow_a_candidate_kernels_name_void_the_share():
+    """A kernel of the candidate's named exactly like a library's kernel (cuBLAS's, or one torch.compile
+    generates): in a profiled call the device runs that name more often than the candidate launched
+    it, and the library's time would count as the candidate's. The share is not believed; the name
+    itself is no offence (an honest kernel may be called anything)."""
+    j = _flow_judge()
+    j.flow.most = {"scratch_kernel": 1}
+    j.last_launches = {"scratch_kernel": 1}
+    j.kernels["ampere_sgemm_128x64_nn"] = j.kernels["scratch_kernel"]
+    calls = judge._PROFILED_CALLS
+    for i in range(calls):  # its own launch, then cuBLAS's kernel of the same name
+        judge._launches_ran(j, [("scratch_kernel", 1, 5.0), ("ampere_sgemm_128x64_nn", 1, 900.0)], i)
+    rows = [("scratch_kernel", calls, 5.0 * calls), ("ampere_sgemm_128x64_nn", calls, 900.0 * calls)]
+    summary = judge.profiling.summarize_kernels(rows, set(j.kernels))
+    assert "ampere_sgemm_128x64_nn ran more often" in judge._profile_doubt(j, summary, rows, wall_ms=10.0 * calls)
+    j.borrowed.clear()
+    judge._launches_ran(j, [("scratch_kernel", 1, 5.0)], 0)
+    assert judge._profile_doubt(j, summary, rows[:1], wall_ms=10.0 * calls) is None
+
+
 def test_a_profile_that_disagrees_with_the_checked_calls_is_not_believed():
     """Profiled calls are verified like checked ones; what their traces claim must also fit what
     the judge saw: no more launches a call than a checked call made, no more kernel time than a
@@ -633,6 +653,7 @@ def _profile_with(monkeypatch, own_us, works: bool = True) -> judge.Judge:
 
     def profiled(j_, seed, mode, signed=False, keep=False):
         j.details.setdefault("asked", []).append(signed)
+        j.last_launches = {"scratch_kernel": 1}  # what the recorder saw the call launch
         us = own_us(signed)
         reply = {} if us is None else {"profile": {"rows": [["scratch_kernel", 1, us], ["ampere_sgemm", 1, 50.0]]}}
         return judge.Call(reply=reply, wall_ms=10.0, inputs=[], seed=seed, signed=signed)

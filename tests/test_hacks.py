@@ -522,6 +522,7 @@ def test_a_sparse_output_is_a_bad_output_type_not_a_crash_of_the_evidence_code()
     "from operator import attrgetter\nup = attrgetter('f_' + 'back')",
     "import operator\nup = operator.methodcaller(name)",
     "up = getattr(frame, 'f_' + 'back')",
+    "up = getattr(frame, f'f_{rest}')",
     "import bdb", "import cProfile", "import faulthandler",  # debuggers and profilers get frames
     "import pickle", "payload = b'csys\\n_getframe\\n'",  # objects rebuilt from data
 ])
@@ -551,6 +552,8 @@ def test_the_source_scan_finds_numerics_flags_set(snippet):
     "acc += tl.dot(a, b, allow_tf32=False)",  # Triton's own keyword
     "torch.backends.cuda.matmul.allow_tf32 = False",  # its default
     "tf32 = torch.backends.cuda.matmul.allow_tf32",  # read only
+    "torch.set_float32_matmul_precision('highest')",  # its default
+    "for i in range(3):\n    setattr(self, f'fc{i}', nn.Linear(4, 4))\n    y = getattr(self, f'fc{i}')(y)",
 ])
 def test_the_source_scan_passes_what_honest_kernels_write(snippet):
     assert integrity.static_scan(snippet) == [], snippet
