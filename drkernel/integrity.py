@@ -9,6 +9,7 @@ wrapper is still caught.
 from __future__ import annotations
 
 import ast
+import functools
 import builtins
 import os
 import re
@@ -49,6 +50,15 @@ _MODE_READERS = {"_len_torch_dispatch_stack", "_get_dispatch_stack_at", "_get_cu
                  "_get_current_dispatch_mode_stack", "_get_dispatch_mode", "_is_torch_function_mode_enabled",
                  "_len_torch_function_stack", "_get_function_stack_at", "_is_profiler_enabled", "_profiler_enabled",
                  "_profiler_type", "_kineto_enabled", "_is_any_torch_function_mode_enabled"}
+# torch's private switches that run ops past the evaluator's dispatch mode (the data-flow log,
+# and the numerics flags read at every op) or past its function modes
+_MODE_ESCAPES = {"_DisableTorchDispatch", "DisableTorchFunction", "DisableTorchFunctionSubclass", "_DisableFuncTorch",
+                 "_ExcludeDispatchKeyGuard", "_IncludeDispatchKeyGuard", "_ForceDispatchKeyGuard",
+                 "_PreserveDispatchKeyGuard", "_disable_current_modes", "_pop_mode", "_push_mode",
+                 "_pop_torch_dispatch_stack", "_push_on_torch_dispatch_stack", "_set_dispatch_mode",
+                 "_unset_dispatch_mode", "_DisablePythonDispatcher", "_EnablePythonDispatcher",
+                 "_RestorePythonTLSSnapshot", "_AutoDispatchBelowAutograd", "_AutoDispatchBelowADInplaceOrView",
+                 "_pop_torch_function_stack", "_push_on_torch_function_stack", "_EnableTorchFunction"}
 _THREAD_MODULES = {"threading", "_thread", "concurrent", "multiprocessing", "asyncio", "subprocess"}
 _PATCH_STRINGS = {"torch.library", "Library", "_dispatch", "impl_abstract", "register_kernel", "pre_run_hooks",
                   "add_pre_run_hook",
@@ -108,6 +118,8 @@ def _import_findings(node: ast.Import | ast.ImportFrom) -> list[tuple[str, str]]
         frames = (node.module or "").split(".")[0] in ("inspect", "traceback")
         out += [("reference_access", f"{node.module}.{a.name}") for a in node.names
                 if a.name in _REACH_ATTRS or (frames and a.name in _REF_ATTRS)]
+        out += [("patched_function", f"{node.module}.{a.name} (runs torch past the evaluator's dispatch mode)")
+                for a in node.names if a.name in _MODE_ESCAPES]
     if isinstance(node, ast.ImportFrom) and node.module == "sys":
         for a in node.names:
             if a.name in ("modules", "_getframe", "_current_frames"):
@@ -126,6 +138,8 @@ def _attribute_findings(node: ast.Attribute) -> list[tuple[str, str]]:
         out.append(("reference_access", d))
     if node.attr in _MODE_READERS:
         out.append(("reference_access", f"{d} (reads the evaluator's own dispatch, function or profiler modes)"))
+    if node.attr in _MODE_ESCAPES:
+        out.append(("patched_function", f"{d} (runs torch past the evaluator's dispatch mode)"))
     if node.attr in ("add_pre_run_hook", "pre_run_hooks"):
         out.append(("patched_function", f"{d} (candidate Python inside Triton's launch)"))
     if d in ("sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile"):
@@ -142,7 +156,7 @@ def _string_findings(s: str, reference_path: str | None) -> list[tuple[str, str]
     if (s in _REF_ATTRS - {"stack", "trace"} or s in ("modules", "ctypes", "gc", "importlib")
             or s in _REACH_ATTRS or "drkernel" in s):
         out.append(("reference_access", f"string {s!r}"))
-    if s in _PATCH_STRINGS or s.startswith("aten::"):
+    if s in _PATCH_STRINGS or s in _MODE_ESCAPES or s.startswith("aten::"):
         out.append(("patched_function", f"string {s!r}"))
     if reference_path and (os.path.basename(reference_path) in s or "ref_" in s and s.endswith(".py")):
         out.append(("reference_access", f"names the reference file ({s!r})"))
@@ -333,8 +347,21 @@ def _dispatch_modes() -> int:
 # Flags that trade precision for speed (TF32, reduced-precision reductions, fp16 accumulation) or
 # let cuDNN pick faster algorithms: the reference is timed with each at its default, so a candidate
 # may not turn one on, not even inside a call (`NumericsWatch`), and its source may not set one
-_NUMERICS = ("cuda.matmul.allow_tf32", "cuda.matmul.fp16_reduced", "cuda.matmul.bf16_reduced",
-             "cuda.matmul.fp16_accumulation", "cudnn.allow_tf32", "cudnn.benchmark", "float32_matmul_precision")
+# name -> torch's own getter of the flag (and its arguments): read straight from torch._C, a few
+# microseconds for them all, since a checked call reads them before every op
+_NUMERICS = {
+    "cuda.matmul.allow_tf32": ("_get_cublas_allow_tf32",),
+    "cuda.matmul.fp16_reduced": ("_get_cublas_allow_fp16_reduced_precision_reduction",),
+    "cuda.matmul.bf16_reduced": ("_get_cublas_allow_bf16_reduced_precision_reduction",),
+    "cuda.matmul.fp16_accumulation": ("_get_cublas_allow_fp16_accumulation",),
+    "cudnn.allow_tf32": ("_get_cudnn_allow_tf32",),
+    "cudnn.benchmark": ("_get_cudnn_benchmark",),
+    "float32_matmul_precision": ("_get_float32_matmul_precision",),
+    # torch.backends[...].fp32_precision: "tf32" or "bf16" for a backend's float32 work
+    **{f"fp32_precision {b}.{op}": ("_get_fp32_precision_getter", b, op) for b, op in (
+        ("generic", "all"), ("cuda", "matmul"), ("cuda", "all"), ("cuda", "conv"), ("cuda", "rnn"),
+        ("mkldnn", "all"), ("mkldnn", "matmul"), ("mkldnn", "conv"), ("mkldnn", "rnn"))},
+}
 _NUMERICS_FLAGS = {"allow_tf32", "allow_fp16_reduced_precision_reduction", "allow_bf16_reduced_precision_reduction",
                    "allow_fp16_accumulation", "fp32_precision", "set_float32_matmul_precision", "set_flush_denormal"}
 _NUMERICS_SETTER_WORDS = ("tf32", "precision", "reduced", "accumulation", "denormal", "cublas", "cudnn",
@@ -379,8 +406,7 @@ class NumericsWatch:
     turned on around one op and off again before the call returns is still on."""
 
     def __init__(self):
-        readers = _flag_readers()
-        self.readers = [(name, readers[name]) for name in _NUMERICS]
+        self.readers = list(_numerics_readers().items())
         self.baseline = [_read(reader) for _, reader in self.readers]
 
     def changed(self) -> list[str]:
@@ -392,15 +418,8 @@ def _flag_readers() -> dict[str, Any]:
     """Name -> a function that reads one flag that changes numerics or what the evaluator observes."""
     import torch
     readers = {
-        "cuda.matmul.allow_tf32": lambda: torch.backends.cuda.matmul.allow_tf32,
-        "cuda.matmul.fp16_reduced": lambda: torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-        "cuda.matmul.bf16_reduced": lambda: torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        "cuda.matmul.fp16_accumulation": lambda: torch.backends.cuda.matmul.allow_fp16_accumulation,
-        "cudnn.allow_tf32": lambda: torch.backends.cudnn.allow_tf32,
         "cudnn.enabled": lambda: torch.backends.cudnn.enabled,
-        "cudnn.benchmark": lambda: torch.backends.cudnn.benchmark,
         "cudnn.deterministic": lambda: torch.backends.cudnn.deterministic,
-        "float32_matmul_precision": torch.get_float32_matmul_precision,
         "default_dtype": lambda: str(torch.get_default_dtype()),
         "default_device": lambda: str(torch.get_default_device()),
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled,
@@ -415,8 +434,16 @@ def _flag_readers() -> dict[str, Any]:
         "threading.profile_hook": lambda: repr(getattr(threading, "_profile_hook", None)),
         "anomaly": torch.is_anomaly_enabled,
         "flush_denormal": _flushes_denormals,
+        **_numerics_readers(),
     }
     return readers
+
+
+def _numerics_readers() -> dict[str, Any]:
+    """`_NUMERICS` as functions, those this torch has."""
+    import torch
+    getters = {name: (getattr(torch._C, getter, None), args) for name, (getter, *args) in _NUMERICS.items()}
+    return {name: functools.partial(get, *args) for name, (get, args) in getters.items() if get is not None}
 
 
 def _flushes_denormals() -> bool:

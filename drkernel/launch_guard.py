@@ -23,7 +23,13 @@ from typing import Any
 
 from drkernel import triton_source
 
-_CONSTANTS = (int, float, bool, str, type(None))
+try:  # numpy's scalars (a constant computed with numpy): their comparisons are numpy's own code
+    import numpy
+    _NUMPY_SCALARS: tuple[type, ...] = (numpy.float64, numpy.float32, numpy.float16, numpy.int64, numpy.int32,
+                                        numpy.bool_)
+except ImportError:
+    _NUMPY_SCALARS = ()
+_CONSTANTS = (int, float, bool, str, type(None), *_NUMPY_SCALARS)
 
 
 class LaunchGuard:
@@ -36,11 +42,9 @@ class LaunchGuard:
         self.lines = text.splitlines(keepends=True)
         tree = _parse(text)
         nodes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-        self.defs: dict[str, set[str]] = {}
-        self.reads: dict[str, list[triton_source.Reads]] = {}
-        for node in nodes:
-            self.defs.setdefault(node.name, set()).add(_dump(node))
-            self.reads.setdefault(node.name, []).append(triton_source.reads(node))
+        # by (name, first line): a method named like a kernel is another def
+        self.defs = {(n.name, _first_line(n)): _dump(n) for n in nodes}
+        self.reads = {(n.name, _first_line(n)): triton_source.reads(n) for n in nodes}
         self.code = _judged_code(text, self.file)  # what importing the text makes of each def
         self.kernel_types = _kernel_types()
         self.rewriter_type = _attr("triton.runtime.interpreter", "FunctionRewriter")
@@ -48,10 +52,14 @@ class LaunchGuard:
         # the names Triton's interpreter adds to a kernel's module when it runs its text again
         self.injected = {k: v for k, v in vars(_module("triton.runtime.interpreter") or types).items()
                          if not k.startswith("__")} if self.interpreted is not None else {}
-        self.constexpr, self.dtype = tl.constexpr, tl.dtype
-        # the names each of Triton's (and math's) modules has before the candidate
-        self.module_names = {name: frozenset(vars(m)) for name, m in list(sys.modules.items())
-                             if m is not None and (name == "math" or name.split(".")[0] == "triton")}
+        self.constexpr = tl.constexpr
+        self.dtypes = frozenset(_triton_classes(tl.dtype))  # exact types: a candidate's subclass is no dtype
+        # what each of Triton's (and math's) modules holds before the candidate: a name added later,
+        # or one whose value was replaced (`math.pi` set to an object whose `__bool__` runs torch), is
+        # the candidate's
+        self.modules = {name: m for name, m in list(sys.modules.items())
+                        if m is not None and (name == "math" or name.split(".")[0] == "triton")}
+        self.module_values = {name: dict(vars(m)) for name, m in self.modules.items()}
         self.triton_dir = _package_dir("triton")
         self.libraries = (_package_dir("torch"), self.triton_dir)
         self.mine: dict[types.CodeType, bool] = {}  # per code object: from the candidate's file
@@ -139,7 +147,7 @@ class LaunchGuard:
             node = ast.parse(src).body[0]
         except (SyntaxError, ValueError, IndexError):
             return f"{_name(kernel)}'s source cannot be read"
-        if _dump(node) not in self.defs.get(_name(kernel), ()):
+        if _dump(node) != self.defs.get(_def_key(kernel)):
             return f"{_name(kernel)} would compile other text than the file's"
         self.sources[id(kernel)] = (kernel, src)
         return None
@@ -176,41 +184,48 @@ class LaunchGuard:
         an `__ne__`, a function added to a module) or is not what the text says."""
         fn, name = kernel.fn, _name(kernel)
         held = {n: c.cell_contents for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or ()) if filled(c)}
-        for r in self.reads.get(name, ()):
-            for n in r.names:
-                for where in (held, fn.__globals__):
-                    if n not in where:
-                        continue
-                    v = where[n]
-                    found = (self._object_problem(v, seen) if type(v) in self.kernel_types else
-                             None if self._plain(v) else f"{name} reads {n}, a {type(v).__name__}")
-                    if found:
-                        return found
-            for chain in r.chains:
-                if found := self._chain_problem(name, chain, held.get(chain[0], fn.__globals__.get(chain[0]))):
+        r = self.reads.get(_def_key(kernel))
+        if r is None:
+            return f"{name} is no def of the judged text"
+        for n in r.names:
+            for where in (held, fn.__globals__):
+                if n not in where:
+                    continue
+                v = where[n]
+                found = (self._object_problem(v, seen) if type(v) in self.kernel_types else
+                         None if self._plain(v) else f"{name} reads {n}, a {type(v).__name__}")
+                if found:
                     return found
+        for chain in r.chains:
+            if found := self._chain_problem(name, chain, held.get(chain[0], fn.__globals__.get(chain[0]))):
+                return found
         return None
 
     def _chain_problem(self, name: str, chain: tuple[str, ...], v: Any) -> str | None:
         for attr in chain[1:]:
             if type(v) is not types.ModuleType:
                 return None
-            known, inner = self.module_names.get(v.__name__), getattr(v, attr, None)
-            if known is not None and attr not in known and not _submodule(v, attr, inner):
-                return f"{name} reads {v.__name__}.{attr}, which that module did not have"
+            known, inner = self.module_values.get(v.__name__), getattr(v, attr, None)
+            if known is not None and not _submodule(v, attr, inner):
+                if attr not in known:
+                    return f"{name} reads {v.__name__}.{attr}, which that module did not have"
+                if known[attr] is not inner:
+                    return f"{name} reads {v.__name__}.{attr}, which was replaced"
             v = inner
         return None
 
     def _plain(self, v: Any) -> bool:
-        if type(v) in _CONSTANTS or isinstance(v, self.dtype) and type(v).__module__.startswith("triton."):
+        """A plain constant, one of Triton's dtypes (its own classes, exactly), a constexpr of either,
+        Triton's or math's modules, or an object Triton's language modules held before the candidate."""
+        if type(v) in _CONSTANTS or type(v) in self.dtypes:
             return True
         if type(v) is self.constexpr:
-            return type(v.value) in _CONSTANTS or isinstance(v.value, self.dtype)
+            return type(v.value) in _CONSTANTS or type(v.value) in self.dtypes
         if type(v) is types.ModuleType:
-            return v.__name__ == "math" or v.__name__.split(".")[0] == "triton"
-        module = sys.modules.get(getattr(v, "__module__", None) or "")
-        return bool(module) and module.__name__.startswith("triton.language") and \
-            vars(module).get(getattr(v, "__name__", None)) is v
+            return self.modules.get(v.__name__) is v
+        held = self.module_values.get(getattr(v, "__module__", None) or "", {})
+        return str(getattr(v, "__module__", "")).startswith("triton.language") and \
+            held.get(getattr(v, "__name__", None)) is v
 
     def _hooks_problem(self) -> str | None:
         """Triton calls its hooks around a compile, a load and every launch: one that is not
@@ -235,6 +250,27 @@ class LaunchGuard:
         if code not in self.mine:
             self.mine[code] = os.path.realpath(code.co_filename) == self.file
         return self.mine[code]
+
+
+def _first_line(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The line a def's code object starts at (its first decorator's)."""
+    return min([node.lineno, *(d.lineno for d in node.decorator_list)])
+
+
+def _def_key(kernel: Any) -> tuple[str, int]:
+    code = kernel.fn.__code__
+    return code.co_name, code.co_firstlineno
+
+
+def _triton_classes(base: type) -> list[type]:
+    """`base` and its subclasses that Triton's own modules define (read before any candidate code)."""
+    found, todo = [], [base]
+    while todo:
+        cls = todo.pop()
+        if cls.__module__.split(".")[0] == "triton" and cls not in found:
+            found.append(cls)
+            todo += cls.__subclasses__()
+    return found
 
 
 def _submodule(module: types.ModuleType, name: str, value: Any) -> bool:

@@ -35,12 +35,20 @@ def jit_kernels(source: str | ast.AST) -> dict[str, Kernel]:
         tree = source if isinstance(source, ast.AST) else ast.parse(source)
     except UNPARSABLE:
         return {}
-    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    names = {n.name for n in defs.values() if any(_is_jit(d) for d in n.decorator_list)}
+    defs: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}
+    for n in ast.walk(tree):  # a method named like a kernel does not hide the kernel
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                n.name not in defs or _jit_decorated(n) or not _jit_decorated(defs[n.name])):
+            defs[n.name] = n
+    names = {n.name for n in defs.values() if _jit_decorated(n)}
     wrapped = (_wrapped(a) for a in ast.walk(tree) if isinstance(a, ast.Call) and _is_jit(a.func))
     names |= {w.id for w in wrapped if isinstance(w, ast.Name) and w.id in defs}
     tl_names = _triton_aliases(tree)
     return {n: _kernel(defs[n], tl_names) for n in sorted(names)}
+
+
+def _jit_decorated(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return any(_is_jit(d) for d in fn.decorator_list)
 
 
 def _wrapped(call: ast.Call) -> ast.AST | None:
@@ -63,18 +71,20 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     kernels = set(jit_kernels(tree))
     tl_names = _triton_aliases(tree)
     body = tree.body if isinstance(tree, ast.Module) else []
+    bindings = module_bindings(tree)
     python = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
               and n.name not in kernels and not _triton_decorated(n, tl_names)}
-    python |= {name for n in body if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign))
-               for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) for name in _names(t)}
-    python = (python - kernels) | {"torch"}
-    constants = _constants(body, tl_names)
+    python |= {name for name, values in bindings.items() if any(not isinstance(v, ast.alias) for v in values)}
+    python = (python - kernels - {"*"}) | {"torch"}
+    constants = _constants(bindings, tl_names)
     every_def = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    defs = [n for n in every_def if n.name in kernels]
+    module_scope = {id(n) for n in _module_scope(tree)}
+    defs = [n for n in every_def if n.name in kernels and (id(n) in module_scope or _jit_decorated(n))]
     lines = source.splitlines()
     found: dict[str, None] = dict.fromkeys(_naming_findings(tree))
-    jitted = kernels | {n.name for n in every_def if any(_is_jit(d) for d in n.decorator_list)}
-    names = [n.name for n in every_def]
+    jitted = kernels | {n.name for n in every_def if _jit_decorated(n)}
+    # defs that can stand for a kernel's name: the module's own and jitted ones (not a method)
+    names = [n.name for n in every_def if id(n) in module_scope or _jit_decorated(n)]
     # which def a kernel's name stands for would be the reader's guess
     found.update(dict.fromkeys(f"{k} is defined more than once" for k in sorted(jitted) if names.count(k) > 1))
     module_names = python | kernels | tl_names | {a.asname or a.name.split(".")[0] for n in body
@@ -125,22 +135,17 @@ class _Scope:
     constant so far, and `math` and the numeric builtins where the module does not rebind them."""
     tl_names: frozenset[str]
     known: frozenset[str] = frozenset()
-    math: bool = False
+    numeric_modules: frozenset[str] = frozenset()  # names of `math` or numpy, bound by their import only
     numeric: frozenset[str] = frozenset()
 
 
-def _constants(body: list[ast.stmt], tl_names: set[str]) -> set[str]:
+def _constants(bindings: dict[str, list[ast.AST | None]], tl_names: set[str]) -> set[str]:
     """Module-level names every binding of which is a constant expression (`_constant`), in turn
     over names found constant before (`LOG2E = 1.44`, then `C = tl.constexpr(2 * LOG2E)`)."""
-    values: dict[str, list[ast.AST | None]] = {}
-    for n in body:
-        if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
-                for name in _names(t):
-                    values.setdefault(name, []).append(n.value if isinstance(t, ast.Name)
-                                                       and not isinstance(n, ast.AugAssign) else None)
-    scope = _Scope(frozenset(tl_names), math=_imports_math(body) and "math" not in values,
-                   numeric=frozenset({"float", "int"} - values.keys()))
+    values = {name: vs for name, vs in bindings.items() if not any(isinstance(v, ast.alias) for v in vs)}
+    anything = "*" in bindings  # a star import may bind any name
+    scope = _Scope(frozenset(tl_names), numeric_modules=frozenset() if anything else _numeric_modules(bindings),
+                   numeric=frozenset() if anything else frozenset({"float", "int"} - bindings.keys()))
     while True:
         known = frozenset(name for name, vs in values.items() if all(_constant(v, scope) for v in vs))
         if known == scope.known:
@@ -148,14 +153,70 @@ def _constants(body: list[ast.stmt], tl_names: set[str]) -> set[str]:
         scope = dataclasses.replace(scope, known=known)
 
 
-def _imports_math(body: list[ast.stmt]) -> bool:
-    """`import math` (as itself) at module level: its functions then give plain numbers."""
-    return any(isinstance(n, ast.Import) and any(a.name == "math" and a.asname is None for a in n.names) for n in body)
+def module_bindings(tree: ast.AST) -> dict[str, list[ast.AST | None]]:
+    """Every name the module's own scope binds, with what: the value of a plain `name = value`
+    (at any depth of `if`/`for`/`with`/`try` blocks), the alias of an import, None for any other
+    way (a loop or `with` target, `:=`, `+=`, a def or class, `global` in a function, `del`);
+    "*" for a star import."""
+    out: dict[str, list[ast.AST | None]] = {}
+    for node in _module_scope(tree):
+        for name, value in _bound_by(node):
+            out.setdefault(name, []).append(value)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Global):  # a function that rebinds a module name when it runs
+            for name in node.names:
+                out.setdefault(name, []).append(None)
+    return out
+
+
+def _module_scope(tree: ast.AST) -> list[ast.AST]:
+    """The nodes run in the module's own scope: not inside a def, class or lambda body."""
+    out, todo = [], list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            todo += [*node.decorator_list, *getattr(node, "bases", []), *(k.value for k in getattr(node, "keywords", []))]
+            if not isinstance(node, ast.ClassDef):
+                todo += [d for d in (*node.args.defaults, *node.args.kw_defaults) if d is not None]
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):  # its targets are its own binding (`_bound_by`)
+            todo += [v for v in (node.value, getattr(node, "annotation", None)) if v is not None]
+        elif not isinstance(node, ast.Lambda):
+            todo += list(ast.iter_child_nodes(node))
+    return out
+
+
+def _bound_by(node: ast.AST) -> list[tuple[str, ast.AST | None]]:
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        plain = [(t.id, node.value) for t in targets if isinstance(t, ast.Name)]
+        # a tuple unpacked, or an attribute or item set (`math.pi = ...`): the names it holds are not constants
+        return plain + [(n, None) for t in targets if not isinstance(t, ast.Name) for n in _names(t)]
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [("*" if a.name == "*" else a.asname or a.name.split(".")[0], a) for a in node.names]
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [(node.name, None)]
+    if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        return [(node.id, None)]  # loop, with, augmented, walrus, comprehension and del targets
+    if isinstance(node, ast.MatchAs | ast.MatchStar) and node.name:
+        return [(node.name, None)]
+    return []
+
+
+def _numeric_modules(bindings: dict[str, list[ast.AST | None]]) -> frozenset[str]:
+    """Names bound only by `import math` or `import numpy [as np]`: their functions and constants
+    give numbers."""
+    return frozenset(name for name, values in bindings.items()
+                     if _only_imports(values, "numpy") or (name == "math" and _only_imports(values, "math")))
+
+
+def _only_imports(values: list[ast.AST | None], module: str) -> bool:
+    return bool(values) and all(isinstance(v, ast.alias) and v.name == module for v in values)
 
 
 def _constant(v: ast.AST | None, scope: _Scope) -> bool:
-    """A literal, arithmetic over constants (names found constant, `math`'s constants and functions,
-    `float("inf")`), `constexpr(...)` of one, or an attribute of Triton's (`tl.float32`). What it
+    """A literal, arithmetic over constants (names found constant, `math`'s or numpy's constants and
+    functions, `float("inf")`), `constexpr(...)` of one, or an attribute of Triton's (`tl.float32`). What it
     evaluates to is checked again at each launch (`launch_guard`): a plain number or Triton's own."""
     if isinstance(v, ast.Constant):
         return True
@@ -169,11 +230,11 @@ def _constant(v: ast.AST | None, scope: _Scope) -> bool:
         callee = dotted(v.func)
         if callee.rsplit(".", 1)[-1] == "constexpr" and len(v.args) == 1:
             return _constant(v.args[0], scope)
-        numeric = callee in scope.numeric or (scope.math and callee.startswith("math.") and callee.count(".") == 1)
+        numeric = callee in scope.numeric or (callee.count(".") == 1 and callee.split(".")[0] in scope.numeric_modules)
         return numeric and all(_constant(a, scope) for a in v.args)
     if isinstance(v, ast.Attribute):
         root = dotted(v).split(".")[0]
-        return root in scope.tl_names or (scope.math and root == "math" and isinstance(v.value, ast.Name))
+        return root in scope.tl_names or (root in scope.numeric_modules and isinstance(v.value, ast.Name))
     return False
 
 

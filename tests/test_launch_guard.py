@@ -83,7 +83,7 @@ def test_what_the_text_reads_is_checked_where_it_is_found(compiled):
     g["__builtins__"] = __builtins__
     tl.drk_probe = lambda *args: None
     try:
-        guard.reads["copy_kernel"].append(triton_source.Reads(frozenset({"tl"}), frozenset({("tl", "drk_probe")})))
+        _reads_also(guard, "copy_kernel", ("tl", "drk_probe"))
         assert "reads triton.language.drk_probe, which that module did not have" in guard.problem(kernel, {})
     finally:
         del tl.drk_probe
@@ -143,6 +143,13 @@ def test_triton_hooks_holding_the_candidates_python_stop_its_launches(compiled):
     assert guard.problem(kernel, {}) is None
 
 
+def _reads_also(guard, kernel: str, chain: tuple[str, ...]) -> None:
+    """As if the kernel's text also read `chain`."""
+    key = next(k for k in guard.reads if k[0] == kernel)
+    r = guard.reads[key]
+    guard.reads[key] = triton_source.Reads(r.names | {chain[0]}, r.chains | {chain})
+
+
 def _candidates_hook(*args, **kwargs):
     return None
 
@@ -199,6 +206,6 @@ def test_a_submodule_imported_since_is_no_addition(compiled):
     import triton.language as tl
 
     guard, kernel, _ = compiled
-    guard.module_names["triton.language"] = guard.module_names["triton.language"] - {"math"}
-    guard.reads["copy_kernel"].append(triton_source.Reads(frozenset({"tl"}), frozenset({("tl", "math", "exp")})))
+    guard.module_values["triton.language"].pop("math")
+    _reads_also(guard, "copy_kernel", ("tl", "math", "exp"))
     assert type(tl.math).__name__ == "module" and guard.problem(kernel, {}) is None
