@@ -74,10 +74,25 @@ def static_scan(source: str | ast.AST, reference_path: str | None = None) -> lis
         return []
     found: dict[tuple[str, str], None] = {}  # ordered and each once, in linear time
     defaults = {id(n.func) for n in ast.walk(tree) if _sets_default(n)}
+    roots = _library_roots(tree)
     for node in ast.walk(tree):
         numerics = _numerics_findings(node) if id(node) not in defaults else []
-        found.update(dict.fromkeys(numerics + _other_findings(node, reference_path)))
+        reach = _library_set(node, roots)
+        library = [("patched_function", f"{reach} (torch's or Triton's own objects changed or reached by a "
+                                        "built name)")] if reach else []
+        found.update(dict.fromkeys(numerics + library + _other_findings(node, reference_path)))
     return list(found)
+
+
+def _library_roots(tree: ast.AST) -> set[str]:
+    """The names torch and Triton (and their modules) go by in the file."""
+    roots = {"torch", "triton", "tl"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in ("torch", "triton")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("torch", "triton"):
+            roots |= {a.asname or a.name for a in node.names}
+    return roots
 
 
 def _other_findings(node: ast.AST, reference_path: str | None) -> list[tuple[str, str]]:
@@ -163,6 +178,21 @@ def _string_findings(s: str, reference_path: str | None) -> list[tuple[str, str]
     return out
 
 
+def _library_set(node: ast.AST, roots: set[str]) -> str | None:
+    """`setattr`/`delattr` on torch or Triton, or one of their attributes assigned
+    (`tl.dtype.__bool__ = f`), or a name read from them built at run time: what it reaches."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2 and (
+            node.func.id in ("setattr", "delattr") or (node.func.id == "getattr" and not isinstance(node.args[1], ast.Constant))):
+        target = dotted(node.args[0])
+        return f"{node.func.id}({target}, ...)" if target.split(".")[0] in roots else None
+    if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+        hit = [dotted(t) for t in targets if isinstance(t, ast.Attribute) and dotted(t).split(".")[0] in roots
+               and not _numerics_name(t.attr)]  # a numerics flag: `_numerics_findings` judges its value
+        return f"sets {hit[0]}" if hit else None
+    return None
+
+
 def _dynamic_attribute(node: ast.AST) -> bool:
     """`getattr(x, "a" + "b")` and the like: a name assembled where the call is, which no scan
     sees (a variable passes: `for name in ("weight", "bias"): setattr(self, name, ...)`,
@@ -246,9 +276,22 @@ def _watched_namespaces() -> list[tuple[str, Any, bool]]:
         classes.append(("triton.runtime.autotuner.Autotuner", Autotuner))
     except Exception:
         pass
+    classes += _triton_language_classes()
     for label, c in classes:
         out.append((label, c, True))
     return out
+
+
+def _triton_language_classes() -> list[tuple[str, type]]:
+    """The classes of Triton's language (tensor, constexpr, the dtypes, ...): a method set on one
+    (`tl.dtype.__bool__`) runs the candidate's Python wherever Triton handles a kernel's values.
+    Triton's interpreter patches a few of `tensor`'s during a launch and puts them back after it."""
+    try:
+        import triton.language.core as core
+    except Exception:  # pragma: no cover
+        return []
+    return [(f"triton.language.core.{name}", obj) for name, obj in vars(core).items()
+            if isinstance(obj, type) and obj.__module__ == core.__name__]
 
 
 _MODULE_NAMES = ("torch", "torch.nn", "torch.nn.functional", "time", "builtins", "triton",
@@ -258,7 +301,10 @@ _IGNORED_KEYS = {"__dict__", "__weakref__", "__doc__", "_abc_impl", "__annotatio
 _VOLATILE = {"sys": {"last_type", "last_value", "last_traceback", "last_exc", "stdout", "stderr",
                      "stdin", "ps1", "ps2", "exc_info", "_git", "path_importer_cache", "meta_path",
                      "path", "path_hooks", "modules", "flags", "argv"},
-             "threading": {"_active", "_limbo", "_dangling", "_shutdown_locks", "_counter"}}
+             "threading": {"_active", "_limbo", "_dangling", "_shutdown_locks", "_counter"},
+             # Triton's interpreter sets these on its tensor class for each launch, then puts back
+             # what it read (an inherited one becomes the class's own)
+             "triton.language.core.tensor": {"__index__", "__bool__", "__repr__", "__str__", "T"}}
 
 
 def own_attribute(owner: Any, attr: str) -> Any:
@@ -305,7 +351,7 @@ class IntegritySnapshot:
                     found.append(f"{label}.{k} replaced")
             if strict:
                 for k in now:
-                    if k not in saved and k not in _IGNORED_KEYS:
+                    if k not in saved and k not in _IGNORED_KEYS and k not in skip:
                         found.append(f"{label}.{k} added")
         for n, m in self.modules.items():
             if sys.modules.get(n) is not m:

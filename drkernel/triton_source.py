@@ -85,8 +85,9 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     jitted = kernels | {n.name for n in every_def if _jit_decorated(n)}
     # defs that can stand for a kernel's name: the module's own and jitted ones (not a method)
     names = [n.name for n in every_def if id(n) in module_scope or _jit_decorated(n)]
-    # which def a kernel's name stands for would be the reader's guess
-    found.update(dict.fromkeys(f"{k} is defined more than once" for k in sorted(jitted) if names.count(k) > 1))
+    # which def a kernel's name stands for would be the reader's guess, unless it is plainly the last
+    found.update(dict.fromkeys(f"{k} is defined more than once" for k in sorted(jitted)
+                               if names.count(k) > 1 and not _drafts_before_use(tree, k)))
     module_names = python | kernels | tl_names | {a.asname or a.name.split(".")[0] for n in body
                                                    if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     for fn in defs:
@@ -100,6 +101,19 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
             # Triton's interpreter finds a kernel's def by its text: it would run the last one
             found[f"{fn.name} holds another line starting with 'def '"] = None
     return list(found)
+
+
+def _drafts_before_use(tree: ast.AST, name: str) -> bool:
+    """Every def of `name` is a statement of the module's body, and the module's own code reads the
+    name only after the last of them (an earlier draft left above the final kernel): the name can
+    then only stand for the last def, which is the one judged."""
+    body = tree.body if isinstance(tree, ast.Module) else []
+    every = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name]
+    if not all(n in body for n in every):
+        return False
+    last = max(n.lineno for n in every)
+    reads = (n for n in _module_scope(tree) if isinstance(n, ast.Name) and n.id == name)
+    return all(n.lineno > last for n in reads)
 
 
 def _call_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, outside: set[str]) -> list[str]:

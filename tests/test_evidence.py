@@ -911,6 +911,7 @@ def test_a_numerics_flag_turned_on_inside_a_call_is_seen(tmp_path):
     r.inputs, r.slots, r.model = [torch.ones(8)], [torch.zeros(8)], Model()
     r.structure = json.loads(json.dumps(compare.structure(torch.zeros(8)), default=str))
     r.keys, r.integrity = dataflow.Keys(), lambda where: []
+    torch.backends.cuda.matmul.allow_tf32 = False  # as the runner's init leaves it
     r.numerics = integrity.NumericsWatch()
     try:
         assert r.call({"op": "call", "mode": "time", "seed": 0}).get("findings") is None

@@ -162,6 +162,8 @@ def _candidates_hook(*args, **kwargs):
     ("import triton\nG = [1]\n@triton.jit\ndef k(x, B=G[0]):\n    pass\n", "k reads G, a module-level object"),
     ("import triton\n@triton.jit\ndef k(x):\n    pass\nif False:\n    def k(x):\n        pass\n",
      "k is defined more than once"),
+    ("import triton\n@triton.jit\ndef k(x):\n    pass\nfirst = k\n@triton.jit\ndef k(x):\n    pass\n",
+     "k is defined more than once"),  # the first def kept under another name
 ])
 def test_the_source_scan_refuses_what_would_run_python_or_show_another_name(text, finding):
     assert any(finding in f for f in triton_source.python_calls(text)), triton_source.python_calls(text)
