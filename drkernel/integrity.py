@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from drkernel.tasks import UNPARSABLE
-from drkernel.triton_source import dotted
+from drkernel.triton_source import dotted, package_aliases
 
 # --------------------------------------------------------------------------------------
 # Static scan of the candidate source
@@ -74,7 +74,7 @@ def static_scan(source: str | ast.AST, reference_path: str | None = None) -> lis
         return []
     found: dict[tuple[str, str], None] = {}  # ordered and each once, in linear time
     defaults = {id(n.func) for n in ast.walk(tree) if _sets_default(n)}
-    roots = _library_roots(tree)
+    roots = package_aliases(tree, ("torch", "triton")) | {"tl"}  # the names torch and Triton go by
     for node in ast.walk(tree):
         numerics = _numerics_findings(node) if id(node) not in defaults else []
         reach = _library_set(node, roots)
@@ -82,17 +82,6 @@ def static_scan(source: str | ast.AST, reference_path: str | None = None) -> lis
                                         "built name)")] if reach else []
         found.update(dict.fromkeys(numerics + library + _other_findings(node, reference_path)))
     return list(found)
-
-
-def _library_roots(tree: ast.AST) -> set[str]:
-    """The names torch and Triton (and their modules) go by in the file."""
-    roots = {"torch", "triton", "tl"}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            roots |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in ("torch", "triton")}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("torch", "triton"):
-            roots |= {a.asname or a.name for a in node.names}
-    return roots
 
 
 def _other_findings(node: ast.AST, reference_path: str | None) -> list[tuple[str, str]]:

@@ -43,7 +43,7 @@ def jit_kernels(source: str | ast.AST) -> dict[str, Kernel]:
     names = {n.name for n in defs.values() if _jit_decorated(n)}
     wrapped = (_wrapped(a) for a in ast.walk(tree) if isinstance(a, ast.Call) and _is_jit(a.func))
     names |= {w.id for w in wrapped if isinstance(w, ast.Name) and w.id in defs}
-    tl_names = _triton_aliases(tree)
+    tl_names = package_aliases(tree, ("triton",)) | {"tl"}
     return {n: _kernel(defs[n], tl_names) for n in sorted(names)}
 
 
@@ -69,7 +69,7 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     except UNPARSABLE:
         return []
     kernels = set(jit_kernels(tree))
-    tl_names = _triton_aliases(tree)
+    tl_names = package_aliases(tree, ("triton",)) | {"tl"}
     body = tree.body if isinstance(tree, ast.Module) else []
     bindings = module_bindings(tree)
     python = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
@@ -308,13 +308,14 @@ def _is_jit(node: ast.AST) -> bool:
     return dotted(node).rsplit(".", 1)[-1] == "jit"
 
 
-def _triton_aliases(tree: ast.AST) -> set[str]:
-    """Names bound to `triton` or one of its modules (`tl`, `triton`, ...)."""
-    out = {"tl", "triton"}
+def package_aliases(tree: ast.AST, packages: tuple[str, ...]) -> set[str]:
+    """Names bound to one of `packages` or their modules (`import triton.language as tl`), and the
+    packages' own names."""
+    out = set(packages)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "triton"}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "triton":
+            out |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] in packages}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in packages:
             out |= {a.asname or a.name for a in node.names}
     return out
 
