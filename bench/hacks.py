@@ -33,9 +33,15 @@ from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
 from tests.fixtures.attacks import harness as attacks  # noqa: E402
 
 
-def run_attacks(ev, only: str) -> list[dict]:
+def record(rows: list[dict], row: dict, out: str) -> None:
+    """Keep one result: printed, and the JSON rewritten, so that a stage cut by its timeout keeps its rows."""
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    save_json(out, rows)
+
+
+def run_attacks(ev, only: str, rows: list[dict], out: str) -> None:
     """The attack fixtures (tests/fixtures/attacks): verdict, listener, leftovers."""
-    rows = []
     for path in attacks.fixtures():
         if only and not any(k in path.name for k in only.split(",") if k):
             continue
@@ -46,11 +52,9 @@ def run_attacks(ev, only: str) -> list[dict]:
             time.sleep(0.5)
             left = attacks.leftovers(token, marker)
         ok = attacks.check(h["expect"], res) and not listener.received and not left
-        rows.append(dict(file="attacks/" + path.name, device="cuda", expect=h["expect"], verdict=res.verdict,
-                         hacks=res.hacks, ok=ok, error=(res.error or "")[:160], reached=listener.received,
-                         leftovers=left, confinement=res.details.get("confinement")))
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
+        record(rows, dict(file="attacks/" + path.name, device="cuda", expect=h["expect"], verdict=res.verdict,
+                          hacks=res.hacks, ok=ok, error=(res.error or "")[:160], reached=listener.received,
+                          leftovers=left, confinement=res.details.get("confinement")), out)
 
 
 def main() -> None:
@@ -71,11 +75,10 @@ def main() -> None:
             h = headers(f)
             ref = (BUNDLED_DIR / h["task"]).read_text()
             res = ev.evaluate(ref, f.read_text())
-            rows.append(dict(file=f.name, device=h.get("device"), expect=h["expect"], verdict=res.verdict,
-                             hacks=res.hacks, ok=attacks.check(h["expect"], res), error=(res.error or "")[:160],
-                             share=res.triton_time_share))
-            print(json.dumps(rows[-1]), flush=True)
-        rows += run_attacks(ev, args.only)
+            record(rows, dict(file=f.name, device=h.get("device"), expect=h["expect"], verdict=res.verdict,
+                              hacks=res.hacks, ok=attacks.check(h["expect"], res), error=(res.error or "")[:160],
+                              share=res.triton_time_share), args.out)
+        run_attacks(ev, args.only, rows, args.out)
         for sol in sorted((ROOT / "bench/solutions").glob("level2_*torch_gemm*.py")):
             if args.only and not any(k in sol.name for k in args.only.split(",") if k):
                 continue
@@ -83,14 +86,12 @@ def main() -> None:
             task = next(t for t in load_kernelbench(args.kernelbench, 2) if t.problem_id == pid)
             res = ev.evaluate(task.code, sol.read_text())
             share = res.triton_time_share
-            rows.append(dict(file=sol.name, device="cuda", expect="correct, share < 0.3", verdict=res.verdict,
-                             hacks=res.hacks, ok=res.verdict == "correct" and share is not None and share < 0.3,
-                             error=(res.error or "")[:160], share=share, speedup=res.speedup,
-                             kernels=res.kernels))
-            print(json.dumps(rows[-1]), flush=True)
-    if not rows:  # an empty file would replace the last real results
+            record(rows, dict(file=sol.name, device="cuda", expect="correct, share < 0.3", verdict=res.verdict,
+                              hacks=res.hacks, ok=res.verdict == "correct" and share is not None and share < 0.3,
+                              error=(res.error or "")[:160], share=share, speedup=res.speedup,
+                              kernels=res.kernels), args.out)
+    if not rows:  # nothing was written: the last real results stay
         raise InputError(f"--only {args.only}: matches no fixture, attack or solution; {args.out} left as it was")
-    save_json(args.out, rows)
     print(f"\n{'file':44s} {'dev':4s} {'expect':30s} {'verdict':14s} {'hacks':30s} ok")
     for r in rows:
         print(f"{r['file'][:44]:44s} {str(r['device'])[:4]:4s} {r['expect'][:30]:30s} {r['verdict']:14s} "
