@@ -88,12 +88,14 @@ class Call:
 @dataclasses.dataclass
 class Flow:
     """What the data-flow logs of the checked calls said, per candidate kernel name: launches,
-    launches the output needed, and the most launches in one call; and the kernels whose
-    counterfactual call left the output right (their work was not needed, whatever the log says)."""
+    launches the output needed, and the most launches in one call; the kernels whose
+    counterfactual call left the output right (their work was not needed, whatever the log says),
+    and those whose counterfactual call made it wrong, with that call's kind of inputs (signed)."""
     launches: dict[str, int] = dataclasses.field(default_factory=dict)
     needed: dict[str, int] = dataclasses.field(default_factory=dict)
     most: dict[str, int] = dataclasses.field(default_factory=dict)
     unneeded: set[str] = dataclasses.field(default_factory=set)
+    moved: dict[str, bool] = dataclasses.field(default_factory=dict)
 
     def fractions(self) -> dict[str, float]:
         return {k: 0.0 if k in self.unneeded else self.needed.get(k, 0) / n for k, n in self.launches.items() if n}
@@ -336,8 +338,8 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
          perturb: tuple[str, ...] = ()) -> Call:
     """Fresh inputs into the arena, slots poisoned, L2 flushed; then one call, timed by this clock.
     With `keep`, the committed output is copied the moment the reply arrives (the runner is
-    stopped by then; a write that lands later never counts). A checked call names the kernels
-    whose launches read perturbed data (none but in a counterfactual call)."""
+    stopped by then; a write that lands later never counts). A call names the kernels whose
+    launches read perturbed data (none but in a counterfactual call)."""
     start = _perf()
     inputs = gen_inputs(r, seed, signed)
     _write_inputs(r, inputs)
@@ -347,9 +349,9 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
     _sync(r.device)
     t0 = _perf()
     # on signed inputs a checked call also says where each launch changed its arguments (`dataflow`)
-    request = {"op": "call", "mode": mode, "seed": forward_seed(r, seed)}
+    request = {"op": "call", "mode": mode, "seed": forward_seed(r, seed), "perturb": list(perturb)}
     if mode == "check":
-        request.update(changes=signed, perturb=list(perturb))
+        request.update(changes=signed)
     reply = channel.ask(request)
     t1 = _perf()
     if "error" in reply:
@@ -1160,12 +1162,19 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
     """(the reference's times, this clock's for them, the candidate's, this clock's for them).
     Every candidate output is checked against the twin's for the same inputs: small outputs at
     the end of each block (the work between timed calls moves launch-bound times), larger ones
-    once both exist; always before the runner's next block. No reference runs in between."""
+    once both exist; always before the runner's next block. No reference runs in between. At a
+    random place among them, or after the last, one untimed counterfactual pair
+    (`_unwatched_counterfactual`)."""
     r = j.ref
     block = max(1, min(j.cfg.timing_block_calls, r.perf_n))
     hold = block if 2 * block * _output_bytes(r) <= _HELD_OUTPUT_BYTES else 1
     ref_ms, ref_walls, events, walls, held = [], [], [], [], []
+    probe = _unwatched_probe(j)
+    probe_at = random.SystemRandom().randrange(r.perf_n)
     for i in range(r.perf_n):
+        if probe and i == probe_at:
+            _unwatched_counterfactual(j, *probe, f"the counterfactual among timed calls (before {i})")
+            probe = None
         seed = fresh_seed()
         calls = {}
         for side in (("ref", "cand") if i % 2 == 0 else ("cand", "ref")):
@@ -1180,7 +1189,37 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
         if i % block == block - 1 and _precise_enough(j, ref_ms, events):
             break
     _verify_held(j, held)
+    if probe:
+        _unwatched_counterfactual(j, *probe, "the counterfactual after the timed calls")
     return ref_ms, ref_walls, events, walls
+
+
+def _unwatched_probe(j: Judge) -> tuple[str, bool] | None:
+    """A kernel whose checked counterfactual call made the output wrong, drawn at random, and that
+    call's kind of inputs; None where there is none."""
+    if not j.flow.moved:
+        return None
+    name = random.SystemRandom().choice(sorted(j.flow.moved))
+    return name, j.flow.moved[name]
+
+
+def _unwatched_counterfactual(j: Judge, kernel: str, signed: bool, label: str) -> None:
+    """A pair like the timed ones (twin, then runner, on the same fresh inputs; neither time
+    counts) in which `kernel`'s launches read perturbed data, as they did in a checked call whose
+    output went wrong. Nothing tells this call from the timed ones before its launches: an output
+    still right here, where the kernel ran, comes from work done elsewhere in the calls the
+    candidate guessed nobody checks (the data-flow log's cost, a call count, a core: any sign)."""
+    seed = fresh_seed()
+    ref = call(j.ref, j.ref.twin, seed, "time", signed=signed, keep=True).output
+    try:
+        c = call_candidate(j, seed, "time", signed=signed, keep=True, perturb=(kernel,))
+    except Stop:
+        return  # perturbed data may make an honest kernel fail
+    _check_left_idle(j, label)
+    ran = kernel in _own_kernels(j, c.reply.get("kernels"))
+    if ran and c.output is not None and compare.compare(c.output, ref, j.cfg, finite_only=_finite_only(signed, ref)).ok:
+        j.hack("decoy_kernel", f"{label}: the output stayed right when what {kernel} read was perturbed, as it did "
+                               "not in a checked call: outside the checked calls its work does not reach the output")
 
 
 def _output_bytes(r: Reference) -> int:
@@ -1418,6 +1457,8 @@ def check_needed(j: Judge, signed: bool) -> None:
                                        "over a non-empty grid and was right")
         if right is None or (name in launched and not right):
             needed = True
+            if right is False:
+                j.flow.moved[name] = signed
         elif name in launched:
             j.flow.unneeded.add(name)
         right_once |= bool(right)

@@ -10,8 +10,8 @@ one socket and sees the judge's arena (inputs and output slots, `drkernel.ipc`).
    installed and the integrity snapshot taken; `null` calls (a trusted stand-in forward) let the
    judge calibrate its clock against this process before any candidate code exists;
 4. `load`: the candidate imported and `ModelNew(*get_init_inputs())` built under the reference's seed;
-5. `call` (modes check / warm / time / profile; a checked call may name kernels whose launches read
-   perturbed data, `drkernel.counterfactual`), `final`: forward on the inputs the judge wrote,
+5. `call` (modes check / warm / time / profile; a checked or timed call may name kernels whose
+   launches read perturbed data, `drkernel.counterfactual`), `final`: forward on the inputs the judge wrote,
    under the call's seed (as the judge runs the reference), the output committed into the judge's
    slots, and facts sent back (a profiled call's kernel trace among them).
 
@@ -261,7 +261,7 @@ class LaunchRecorder:
 
     def begin(self, flow: dataflow.FlowLog | None = None, track_changes: bool = False,
               perturb: frozenset[str] = frozenset()) -> None:
-        self.launches, self.flow, self.perturb = [], flow, perturb if flow is not None else frozenset()
+        self.launches, self.flow, self.perturb = [], flow, perturb
         self.track_changes = flow is not None and track_changes
 
     def end(self) -> list[tuple[str, tuple, dict]]:
