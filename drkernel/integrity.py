@@ -78,8 +78,8 @@ def static_scan(source: str | ast.AST, reference_path: str | None = None) -> lis
     for node in ast.walk(tree):
         numerics = _numerics_findings(node) if id(node) not in defaults else []
         reach = _library_set(node, roots)
-        library = [("patched_function", f"{reach} (torch's or Triton's own objects changed or reached by a "
-                                        "built name)")] if reach else []
+        library = [("patched_function", f"{reach} (torch's or Triton's own objects changed, or reached by a name "
+                                        "not written out: write `F.gelu`, or keep a dict of such functions)")] if reach else []
         found.update(dict.fromkeys(numerics + library + _other_findings(node, reference_path)))
     return list(found)
 
@@ -177,15 +177,21 @@ def _library_set(node: ast.AST, roots: set[str]) -> str | None:
     if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
         targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
         hit = [dotted(t) for t in targets if isinstance(t, ast.Attribute) and dotted(t).split(".")[0] in roots
-               and not _numerics_name(t.attr)]  # a numerics flag: `_numerics_findings` judges its value
+               and not _numerics_name(t.attr)  # a numerics flag: `_numerics_findings` judges its value
+               and not (dotted(t).endswith(_CUDNN_SETTINGS) and isinstance(node.value, ast.Constant))]
         return f"sets {hit[0]}" if hit else None
     return None
 
 
+# cuDNN settings written as constants: the state they leave is judged after import and after every
+# call (`Snapshot.state_changes`), where only their strict direction passes
+_CUDNN_SETTINGS = ("cudnn.benchmark", "cudnn.deterministic")
+
+
 def _dynamic_attribute(node: ast.AST) -> bool:
     """`getattr(x, "a" + "b")` and the like: a name assembled where the call is, which no scan
-    sees (a variable passes: `for name in ("weight", "bias"): setattr(self, name, ...)`,
-    `getattr(F, self.activation)`)."""
+    sees (a variable passes: `for name in ("weight", "bias"): setattr(self, name, ...)`; on torch
+    and Triton themselves only a constant does, `_library_set`)."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2
             and not isinstance(node.args[1], (ast.Constant, ast.Name, ast.Attribute))
@@ -356,7 +362,8 @@ class IntegritySnapshot:
 
     def state_changes(self) -> list[str]:
         now = global_state()
-        return [f"{k}: {self.state.get(k)!r} -> {v!r}" for k, v in now.items() if self.state.get(k) != v]
+        return [f"{k}: {self.state.get(k)!r} -> {v!r}" for k, v in now.items()
+                if self.state.get(k) != v and _STRICTER.get(k) != v]
 
 
 def _global_hook_counts() -> dict[str, int]:
@@ -447,6 +454,10 @@ class NumericsWatch:
     def changed(self) -> list[str]:
         now = [_read(reader) for _, reader in self.readers]
         return [f"{name}: {b} -> {v}" for (name, _), b, v in zip(self.readers, self.baseline, now) if v != b]
+
+
+# flags a candidate may turn one way: deterministic algorithms can only cost it time
+_STRICTER = {"cudnn.deterministic": True, "deterministic_algorithms": True}
 
 
 def _flag_readers() -> dict[str, Any]:

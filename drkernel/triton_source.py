@@ -86,7 +86,7 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     # defs that can stand for a kernel's name: the module's own and jitted ones (not a method)
     names = [n.name for n in every_def if id(n) in module_scope or _jit_decorated(n)]
     # which def a kernel's name stands for would be the reader's guess, unless it is plainly the last
-    found.update(dict.fromkeys(f"{k} is defined more than once" for k in sorted(jitted)
+    found.update(dict.fromkeys(f"{k} is defined more than once (give each kernel its own name)" for k in sorted(jitted)
                                if names.count(k) > 1 and not _drafts_before_use(tree, k)))
     module_names = python | kernels | tl_names | {a.asname or a.name.split(".")[0] for n in body
                                                    if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
@@ -121,7 +121,7 @@ def _call_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, outside: set[str]
     any other expression that holds one (`[f][0]()`, `(f or g)()`); a method of a value made in
     the kernel (`(a * b).to(...)`) is fine."""
     out = []
-    for call in (c for c in ast.walk(fn) if isinstance(c, ast.Call)):
+    for call in (c for part in _launched_parts(fn) for c in ast.walk(part) if isinstance(c, ast.Call)):
         name = dotted(call.func)
         if name:
             if name.split(".")[0] in outside:
@@ -151,6 +151,7 @@ class _Scope:
     known: frozenset[str] = frozenset()
     numeric_modules: frozenset[str] = frozenset()  # names of `math` or numpy, bound by their import only
     numeric: frozenset[str] = frozenset()
+    torch_names: frozenset[str] = frozenset()  # bound by `import torch` only (`torch.finfo(...).min`)
 
 
 def _constants(bindings: dict[str, list[ast.AST | None]], tl_names: set[str]) -> set[str]:
@@ -159,7 +160,9 @@ def _constants(bindings: dict[str, list[ast.AST | None]], tl_names: set[str]) ->
     values = {name: vs for name, vs in bindings.items() if not any(isinstance(v, ast.alias) for v in vs)}
     anything = "*" in bindings  # a star import may bind any name
     scope = _Scope(frozenset(tl_names), numeric_modules=frozenset() if anything else _numeric_modules(bindings),
-                   numeric=frozenset() if anything else frozenset({"float", "int"} - bindings.keys()))
+                   numeric=frozenset() if anything else frozenset({"float", "int"} - bindings.keys()),
+                   torch_names=frozenset() if anything else frozenset(
+                       name for name, vs in bindings.items() if _imported_only(vs, "torch")))
     while True:
         known = frozenset(name for name, vs in values.items() if all(_constant(v, scope) for v in vs))
         if known == scope.known:
@@ -169,9 +172,9 @@ def _constants(bindings: dict[str, list[ast.AST | None]], tl_names: set[str]) ->
 
 def module_bindings(tree: ast.AST) -> dict[str, list[ast.AST | None]]:
     """Every name the module's own scope binds, with what: the value of a plain `name = value`
-    (at any depth of `if`/`for`/`with`/`try` blocks), the alias of an import, None for any other
-    way (a loop or `with` target, `:=`, `+=`, a def or class, `global` in a function, `del`);
-    "*" for a star import."""
+    (at any depth of `if`/`for`/`with`/`try` blocks), the alias of an import, the target of an
+    attribute set on it (`torch.x = ...`), None for any other way (a loop or `with` target, `:=`,
+    `+=`, a def or class, `global` in a function, `del`); "*" for a star import."""
     out: dict[str, list[ast.AST | None]] = {}
     for node in _module_scope(tree):
         for name, value in _bound_by(node):
@@ -204,8 +207,10 @@ def _bound_by(node: ast.AST) -> list[tuple[str, ast.AST | None]]:
     if isinstance(node, (ast.Assign, ast.AnnAssign)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         plain = [(t.id, node.value) for t in targets if isinstance(t, ast.Name)]
-        # a tuple unpacked, or an attribute or item set (`math.pi = ...`): the names it holds are not constants
-        return plain + [(n, None) for t in targets if not isinstance(t, ast.Name) for n in _names(t)]
+        # an attribute set (`math.pi = ...`) binds its root to the target (no constant, but still the
+        # module its import named); a tuple unpacked or an item set: the names it holds are no constants
+        return plain + [(n, t if isinstance(t, ast.Attribute) else None) for t in targets
+                        if not isinstance(t, ast.Name) for n in _names(t)]
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         return [("*" if a.name == "*" else a.asname or a.name.split(".")[0], a) for a in node.names]
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -228,12 +233,22 @@ def _only_imports(values: list[ast.AST | None], module: str) -> bool:
     return bool(values) and all(isinstance(v, ast.alias) and v.name == module for v in values)
 
 
+def _imported_only(values: list[ast.AST | None], module: str) -> bool:
+    """Bound by `import module` only, its attributes perhaps set (`torch.backends.cudnn.benchmark =
+    False`; setting torch's own functions is a finding of the scan)."""
+    imports = [v for v in values if not isinstance(v, ast.Attribute)]
+    return _only_imports(imports, module)
+
+
 def _constant(v: ast.AST | None, scope: _Scope) -> bool:
     """A literal, arithmetic over constants (names found constant, `math`'s or numpy's constants and
-    functions, `float("inf")`), `constexpr(...)` of one, or an attribute of Triton's (`tl.float32`). What it
-    evaluates to is checked again at each launch (`launch_guard`): a plain number or Triton's own."""
+    functions, `float("inf")`, a dtype's limits), `constexpr(...)` of one, or an attribute of Triton's
+    (`tl.float32`). What it evaluates to is checked again at each launch (`launch_guard`): a plain
+    number or Triton's own."""
     if isinstance(v, ast.Constant):
         return True
+    if isinstance(getattr(v, "ctx", None), ast.Store):  # an attribute set: the name's object changes
+        return False
     if isinstance(v, ast.UnaryOp):
         return _constant(v.operand, scope)
     if isinstance(v, ast.BinOp):
@@ -248,8 +263,23 @@ def _constant(v: ast.AST | None, scope: _Scope) -> bool:
         return numeric and all(_constant(a, scope) for a in v.args)
     if isinstance(v, ast.Attribute):
         root = dotted(v).split(".")[0]
-        return root in scope.tl_names or (root in scope.numeric_modules and isinstance(v.value, ast.Name))
+        return (root in scope.tl_names or (root in scope.numeric_modules and isinstance(v.value, ast.Name))
+                or _dtype_limit(v, scope))
     return False
+
+
+_DTYPE_LIMITS = {"finfo": {"min", "max", "eps", "tiny", "smallest_normal", "resolution", "bits"},
+                 "iinfo": {"min", "max", "bits"}}
+
+
+def _dtype_limit(v: ast.Attribute, scope: _Scope) -> bool:
+    """`torch.finfo(torch.float32).min` and the like: a number of one of torch's dtypes."""
+    call = v.value
+    if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords):
+        return False
+    fn, dtype = dotted(call.func).split("."), dotted(call.args[0]).split(".")
+    return (len(fn) == 2 and fn[0] in scope.torch_names and v.attr in _DTYPE_LIMITS.get(fn[1], ())
+            and len(dtype) == 2 and dtype[0] in scope.torch_names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,11 +291,16 @@ class Reads:
     chains: frozenset[tuple[str, ...]]
 
 
-def reads(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Reads:
+def _launched_parts(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.AST]:
+    """What of a kernel's def a launch runs: its body, defaults and annotations; not its decorators
+    (autotune configs, heuristics), which run at import or before the launch, as plain Python."""
     args = fn.args
-    parts = [*fn.body, *args.defaults, *(d for d in args.kw_defaults if d is not None),
-             *(a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs) if a.annotation is not None)]
-    nodes = [n for part in parts for n in ast.walk(part)]
+    return [*fn.body, *args.defaults, *(d for d in args.kw_defaults if d is not None),
+            *(a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs) if a.annotation is not None)]
+
+
+def reads(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Reads:
+    nodes = [n for part in _launched_parts(fn) for n in ast.walk(part)]
     local = _names_bound(fn)
     names = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} - local
     chains = {tuple(dotted(n).split(".")) for n in nodes if isinstance(n, ast.Attribute) and dotted(n)}
