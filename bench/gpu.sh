@@ -39,7 +39,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for stage in ${STAGES:-hacks neighbours ref_self solutions_eager solutions_compile throughput_full throughput_rl rl_step cli costs}; do
     echo "== $stage"
     case $stage in
-    hacks) timeout "${HACKS_S:-360}" python bench/hacks.py --kernelbench "$KB" --out "$OUT/hacks.json" 2>&1 | tail -80 ;;
+    hacks) timeout "${HACKS_S:-480}" python bench/hacks.py --kernelbench "$KB" --out "$OUT/hacks.json" 2>&1 | tail -80 ;;
     neighbours) timeout 180 python bench/neighbours.py --kernelbench "$KB" --workers 4 \
         --out "$OUT/neighbours.json" 2>&1 | tail -12 ;;
     ref_self) timeout "${REF_SELF_S:-420}" python bench/ref_self.py --kernelbench "$KB" ${REF_SELF_ARGS:-} \

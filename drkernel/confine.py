@@ -358,3 +358,6 @@ def point_caches_at(job_dir: str) -> None:
         os.makedirs(path, exist_ok=True)
         os.environ[name] = path
     tempfile.tempdir = os.environ["TMPDIR"]
+    # the Triton cache is the job's own and empty: a compiled kernel found there was put there by
+    # the candidate (under its own text's key), so Triton compiles every kernel it builds
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"

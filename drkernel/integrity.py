@@ -75,11 +75,13 @@ def static_scan(source: str | ast.AST, reference_path: str | None = None) -> lis
     found: dict[tuple[str, str], None] = {}  # ordered and each once, in linear time
     defaults = {id(n.func) for n in ast.walk(tree) if _sets_default(n)}
     roots = package_aliases(tree, ("torch", "triton")) | {"tl"}  # the names torch and Triton go by
+    # attributes set by a plain `a.b = value`: the value is known (numerics flags, cuDNN settings)
+    plain = {id(t): n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets}
     for node in ast.walk(tree):
         numerics = _numerics_findings(node) if id(node) not in defaults else []
-        reach = _library_set(node, roots)
-        library = [("patched_function", f"{reach} (torch's or Triton's own objects changed, or reached by a name "
-                                        "not written out: write `F.gelu`, or keep a dict of such functions)")] if reach else []
+        reach = _library_set(node, roots, plain)
+        library = [("patched_function", f"{reach} (torch's or Triton's own objects changed or reached by a "
+                                        "built name)")] if reach else []
         found.update(dict.fromkeys(numerics + library + _other_findings(node, reference_path)))
     return list(found)
 
@@ -167,20 +169,24 @@ def _string_findings(s: str, reference_path: str | None) -> list[tuple[str, str]
     return out
 
 
-def _library_set(node: ast.AST, roots: set[str]) -> str | None:
-    """`setattr`/`delattr` on torch or Triton, or one of their attributes assigned
-    (`tl.dtype.__bool__ = f`), or a name read from them built at run time: what it reaches."""
+def _library_set(node: ast.AST, roots: set[str], plain: dict[int, ast.AST]) -> str | None:
+    """`setattr`/`delattr` on torch or Triton, or one of their attributes bound or deleted in any
+    way (`tl.dtype.__bool__ = f`, a tuple, `for` or `with` target), or a name read from them built
+    at run time: what it reaches. A numerics flag or cuDNN setting set by a plain `a.b = value`
+    (`plain`: target -> value) is judged by its value elsewhere."""
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2 and (
             node.func.id in ("setattr", "delattr") or (node.func.id == "getattr" and not isinstance(node.args[1], ast.Constant))):
         target = dotted(node.args[0])
-        return f"{node.func.id}({target}, ...)" if target.split(".")[0] in roots else None
-    if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
-        targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
-        hit = [dotted(t) for t in targets if isinstance(t, ast.Attribute) and dotted(t).split(".")[0] in roots
-               and not _numerics_name(t.attr)  # a numerics flag: `_numerics_findings` judges its value
-               and not (dotted(t).endswith(_CUDNN_SETTINGS) and isinstance(node.value, ast.Constant))]
-        return f"sets {hit[0]}" if hit else None
-    return None
+        hint = ", a name not written out: write `F.gelu`, or keep a dict of functions" if node.func.id == "getattr" else ""
+        return f"{node.func.id}({target}, ...){hint}" if target.split(".")[0] in roots else None
+    if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del))
+            and dotted(node).split(".")[0] in roots):
+        return None
+    value = plain.get(id(node))
+    if value is not None and (_numerics_name(node.attr)  # `_numerics_findings` judges its value
+                              or (dotted(node).endswith(_CUDNN_SETTINGS) and isinstance(value, ast.Constant))):
+        return None
+    return f"{'deletes' if isinstance(node.ctx, ast.Del) else 'sets'} {dotted(node)}"
 
 
 # cuDNN settings written as constants: the state they leave is judged after import and after every
@@ -195,18 +201,43 @@ def _dynamic_attribute(node: ast.AST) -> bool:
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2
             and not isinstance(node.args[1], (ast.Constant, ast.Name, ast.Attribute))
-            and not _plain_fstring(node.args[1]))
+            and not _plain_built_name(node.args[1]))
 
 
-def _plain_fstring(node: ast.AST) -> bool:
-    """`f"fc{i}"`: text parts of plain identifier characters that begin no private, dunder or
-    frame-reaching name (as open as a name held in a variable, which passes)."""
-    if not isinstance(node, ast.JoinedStr):
-        return False
-    parts = [v.value for v in node.values if isinstance(v, ast.Constant)]
+_FORMAT_FIELD = re.compile(r"%[-+ #0-9.]*[a-z]|\{[^{}]*\}")  # `%d`, `{}`, `{0}`: filled at run time
+
+
+def _plain_built_name(node: ast.AST) -> bool:
+    """`f"fc{i}"`, `"weight_ih_l%d" % i`, `"fc" + str(i)`, `"fc{}".format(i)`: text parts of plain
+    identifier characters that begin no private, dunder or frame-reaching name (as open as a name
+    held in a variable, which passes)."""
+    parts = _text_parts(node)
     reaching = _REF_ATTRS | _REACH_ATTRS
-    return all(isinstance(p, str) and p.replace("_", "a").isalnum() and not p.startswith("_")
-               and not any(a.startswith(p) for a in reaching) for p in parts)
+    return parts is not None and all(
+        isinstance(p, str) and _FORMAT_FIELD.sub("", p).replace("_", "a").isalnum()
+        and not p.startswith("_") and not any(a.startswith(p) for a in reaching) for p in parts)
+
+
+def _text_parts(node: ast.AST) -> list | None:
+    """The literal parts of a name built by an f-string, `%`, `+` or `.format` (None for any other
+    expression, and where a literal string fills a field; a part that is no literal adds none)."""
+    if isinstance(node, ast.JoinedStr):
+        fields = [v.value for v in node.values if isinstance(v, ast.FormattedValue)]
+        return None if _holds_text(fields) else [v.value for v in node.values if isinstance(v, ast.Constant)]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant):
+        return None if _holds_text([node.right]) else [node.left.value]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        sides = [[n.value] if isinstance(n, ast.Constant) else _text_parts(n)
+                 if isinstance(n, (ast.BinOp, ast.JoinedStr)) else [] for n in (node.left, node.right)]
+        return None if None in sides else sides[0] + sides[1]
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "format"
+            and isinstance(node.func.value, ast.Constant)):
+        return None if _holds_text([*node.args, *(k.value for k in node.keywords)]) else [node.func.value.value]
+    return None
+
+
+def _holds_text(nodes: list[ast.AST]) -> bool:
+    return any(isinstance(n, ast.Constant) and isinstance(n.value, str) for node in nodes for n in ast.walk(node))
 
 
 # --------------------------------------------------------------------------------------
@@ -291,7 +322,7 @@ def _triton_language_classes() -> list[tuple[str, type]]:
 
 _MODULE_NAMES = ("torch", "torch.nn", "torch.nn.functional", "time", "builtins", "triton",
                  "triton.language", "triton.testing", "numpy", "torch.cuda")
-_IGNORED_KEYS = {"__dict__", "__weakref__", "__doc__", "_abc_impl", "__annotations__",
+_IGNORED_KEYS = {"__dict__", "__weakref__", "__doc__", "_abc_impl", "__annotations__", "__slotnames__",
                  "__parameters__", "__orig_bases__"}
 _VOLATILE = {"sys": {"last_type", "last_value", "last_traceback", "last_exc", "stdout", "stderr",
                      "stdin", "ps1", "ps2", "exc_info", "_git", "path_importer_cache", "meta_path",

@@ -78,7 +78,7 @@ class Call:
     wall_ms: float
     inputs: list
     seed: int
-    signed: bool = False  # the inputs' kind: signed normals, or KernelBench's own
+    signed: bool = False  # the inputs' kind: drawn from signed normals, or KernelBench's own
     output: Any = None
     ms: float | None = None  # the runner's own time for the call, where it sent a number
     before_s: float = 0.0  # the judge's seconds before the request (inputs, poison, flush)
@@ -233,12 +233,12 @@ def _sync(device) -> None:
 
 
 def gen_inputs(r: Reference, seed: int, signed: bool = False) -> list:
-    """The reference's `get_inputs()` under `seed`, on the device; float inputs replaced by
-    signed standard normals when `signed` (KernelBench draws uniform [0, 1) inputs, on which
-    ReLU(x) = x and other shortcuts pass)."""
+    """The reference's `get_inputs()` under `seed`, on the device. When `signed`, its uniform
+    draws are standard normals (KernelBench draws uniform [0, 1) inputs, on which ReLU(x) = x and
+    other shortcuts pass): what it builds from them stays (`_NormalDraws`)."""
     import torch
     torch.manual_seed(seed)
-    with _reference_fails("the reference's get_inputs() failed"):
+    with _reference_fails("the reference's get_inputs() failed"), _NormalDraws(torch, signed) as draws:
         if r.cuda:
             torch.cuda.manual_seed_all(seed)
             with torch.device(r.device):
@@ -246,9 +246,36 @@ def gen_inputs(r: Reference, seed: int, signed: bool = False) -> list:
         else:
             inputs = list(r.ref_mod.get_inputs())
     inputs = compare.map_tensors(inputs, lambda t: t.to(r.device))
-    if signed:
+    if signed and not draws.drawn:  # no uniform draw to turn signed: its float inputs are replaced
         _redraw_signed(inputs, torch.Generator(device=r.device).manual_seed(seed + 7919))
     return inputs
+
+
+class _NormalDraws:
+    """While entered (and `on`), `torch.rand` and `torch.rand_like` draw standard normals, so that
+    a `get_inputs()` builds its signed inputs itself: a triangle, a symmetric matrix, softmax rows
+    or labels it makes of its draws stay what they are, as a candidate may rely on. `drawn`
+    says whether any draw was made so."""
+
+    def __init__(self, torch, on: bool):
+        self.torch, self.on, self.drawn = torch, on, False
+        self.saved = (torch.rand, torch.rand_like)
+
+    def __enter__(self) -> _NormalDraws:
+        if self.on:
+            self.torch.rand, self.torch.rand_like = self.randn, self.randn_like
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.torch.rand, self.torch.rand_like = self.saved
+
+    def randn(self, *args, **kwargs):
+        self.drawn = True
+        return self.torch.randn(*args, **kwargs)
+
+    def randn_like(self, *args, **kwargs):
+        self.drawn = True
+        return self.torch.randn_like(*args, **kwargs)
 
 
 def _redraw_signed(inputs: list, g) -> None:
@@ -1169,26 +1196,31 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
     block = max(1, min(j.cfg.timing_block_calls, r.perf_n))
     hold = block if 2 * block * _output_bytes(r) <= _HELD_OUTPUT_BYTES else 1
     ref_ms, ref_walls, events, walls, held = [], [], [], [], []
+    calls: dict[str, Call] = {}
     probe = _unwatched_probe(j)
     probe_at = random.SystemRandom().randrange(r.perf_n)
     for i in range(r.perf_n):
         if probe and i == probe_at:
+            calls.clear()  # no timed call's inputs and outputs held beside the pair's (full sizes)
+            _verify_held(j, held)
             _unwatched_counterfactual(j, *probe, f"the counterfactual among timed calls (before {i})")
             probe = None
         seed = fresh_seed()
-        calls = {}
+        calls.clear()
         for side in (("ref", "cand") if i % 2 == 0 else ("cand", "ref")):
             calls[side] = _twin_ms(r, seed, keep=True) if side == "ref" else _candidate_ms(j, seed, f"timed call {i}")
         ref_ms.append(calls["ref"].ms)
         ref_walls.append(calls["ref"].wall_ms)
         events.append(calls["cand"].ms)
         walls.append(calls["cand"].wall_ms)
+        calls["cand"].inputs = []  # judged against the twin's output: held, full-size inputs would pile up
         held.append((calls["cand"], calls["ref"].output, f"timed call {i}"))
         if len(held) >= hold or i % block == block - 1:
             _verify_held(j, held)
         if i % block == block - 1 and _precise_enough(j, ref_ms, events):
             break
     _verify_held(j, held)
+    calls.clear()
     if probe:
         _unwatched_counterfactual(j, *probe, "the counterfactual after the timed calls")
     return ref_ms, ref_walls, events, walls
@@ -1457,8 +1489,7 @@ def check_needed(j: Judge, signed: bool) -> None:
                                        "over a non-empty grid and was right")
         if right is None or (name in launched and not right):
             needed = True
-            if right is False:
-                j.flow.moved[name] = signed
+            j.flow.moved[name] = signed  # failing on perturbed data is asked again unwatched
         elif name in launched:
             j.flow.unneeded.add(name)
         right_once |= bool(right)

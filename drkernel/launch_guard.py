@@ -30,6 +30,9 @@ try:  # numpy's scalars (a constant computed with numpy): their comparisons are 
 except ImportError:
     _NUMPY_SCALARS = ()
 _CONSTANTS = (int, float, bool, str, type(None), *_NUMPY_SCALARS)
+# launch keywords beside a config's that leave what is compiled the text's own; the rest load the
+# device code from a file (`ir_override`), link other code (`extern_libs`) or change its numerics
+_SCHEDULING = frozenset({"enable_fp_fusion", "launch_pdl", "launch_cooperative_grid"})
 
 
 class LaunchGuard:
@@ -53,6 +56,8 @@ class LaunchGuard:
         self.injected = {k: v for k, v in vars(_module("triton.runtime.interpreter") or types).items()
                          if not k.startswith("__")} if self.interpreted is not None else {}
         self.constexpr = tl.constexpr
+        self.options = _launch_options()
+        self.settings = _compile_settings()
         self.dtypes = frozenset(_triton_classes(tl.dtype))  # exact types: a candidate's subclass is no dtype
         # what each of Triton's (and math's) modules holds before the candidate: a name added later,
         # or one whose value was replaced (`math.pi` set to an object whose `__bool__` runs torch), is
@@ -81,6 +86,14 @@ class LaunchGuard:
         return (next(filter(None, (self._object_problem(k, seen) for k in kernels)), None)
                 or self._hooks_problem() or self._built_problem(kernel))
 
+    def options_problem(self, kernel: Any, kwargs: dict) -> str | None:
+        """Keywords of a launch or compile that are neither the kernel's parameters nor `self.options`."""
+        code = kernel.fn.__code__
+        params = code.co_varnames[:code.co_argcount + code.co_kwonlyargcount]
+        odd = sorted(k for k in kwargs if k not in params and k not in self.options)
+        return f"launch option {', '.join(odd)} of {_name(kernel)} is not one of {', '.join(sorted(self.options))}" \
+            if odd else None
+
     def pin(self) -> None:
         """The interpreter rewrites a kernel from the lines Python keeps for its file: those are the
         text the judge read, and a rewrite no launch made is dropped (it is made again from them)."""
@@ -94,10 +107,23 @@ class LaunchGuard:
     # ---- after a launch ---------------------------------------------------------------------------
 
     def seen(self, kernel: Any) -> None:
-        """Note what Triton built for this kernel in the launch (compiled kernels, rewrites)."""
-        self.built[id(kernel)] = (kernel, _built(kernel))
+        """Note what Triton built for this kernel in the launch (compiled kernels, rewrites). Where
+        it built anything, it built it under the compile settings it had before the candidate, or
+        the launch fails."""
+        now = _built(kernel)
+        fresh = now != self.built.get(id(kernel), (None, ()))[1]
+        self.built[id(kernel)] = (kernel, now)
         if self.interpreted is not None:
-            self.rewrites |= {r for f, r in self.interpreted.rewritten_fn.items() if self.is_candidates(f)}
+            rewrites = {r for f, r in self.interpreted.rewritten_fn.items() if self.is_candidates(f)}
+            fresh |= not rewrites <= self.rewrites
+            self.rewrites |= rewrites
+        if fresh and (changed := self._settings_problem()):
+            raise RuntimeError(f"{_name(kernel)} was built under other settings: {changed}")
+
+    def _settings_problem(self) -> str | None:
+        now = dict(_compile_settings())
+        changed = [k for k, v in self.settings if now.get(k, v) != v] + sorted(now.keys() - dict(self.settings))
+        return f"Triton's {', '.join(changed[:4])} changed since before the candidate" if changed else None
 
     # ---- checks -----------------------------------------------------------------------------------
 
@@ -352,6 +378,33 @@ def _triton_hooks() -> list:
             chained = getattr(hook, "calls", None)
             out += list(chained) if isinstance(chained, list) else [hook] if callable(hook) else []
     return out
+
+
+def _compile_settings() -> tuple[tuple[str, Any], ...]:
+    """What decides how Triton compiles and where device code may come from (its knobs: the
+    override and cache directories, `TRITON_KERNEL_OVERRIDE`, `TRITON_ALWAYS_COMPILE`, ptxas and
+    its options, libdevice's path, fp32 and fp-fusion defaults, ...): each knob group's own values
+    and the environment variables behind its knobs. Read without calling any knob (some run tools)."""
+    knobs = sys.modules.get("triton.knobs")
+    base = getattr(knobs, "base_knobs", None)
+    if base is None:
+        return ()
+    out = []
+    for name, group in sorted(vars(knobs).items()):
+        if isinstance(group, base):  # the runtime's hooks are `_hooks_problem`'s
+            out += [(f"{name}.{k}", repr(v)) for k, v in sorted(vars(group).items()) if k not in _HOOKS]
+            out += [(d.key, os.environ.get(d.key)) for d in group.knob_descriptors.values()]
+    return tuple(out)
+
+
+def _launch_options() -> frozenset[str]:
+    """What this Triton's own `Config` passes beside the kernel's parameters (its warps, stages,
+    ...; never `ir_override`), and `_SCHEDULING`."""
+    import inspect
+
+    import triton
+    config = set(inspect.signature(triton.Config).parameters) - {"self", "kwargs", "pre_hook", "ir_override"}
+    return frozenset(config) | _SCHEDULING
 
 
 def _code_file(fn: Any) -> str:

@@ -170,6 +170,8 @@ class LaunchRecorder:
             if not rec._is_mine(kernel):
                 return orig(kernel, *args, grid=grid, warmup=warmup, **kwargs)
             if warmup:  # a compile: what it builds is the kernel's from here on
+                if refused := rec.guard.options_problem(kernel, kwargs):
+                    raise RuntimeError(f"compile of {kernel.fn.__name__} refused: {refused}")
                 ret = orig(kernel, *args, grid=grid, warmup=True, **kwargs)
                 rec.guard.seen(kernel)
                 return ret
@@ -211,7 +213,7 @@ class LaunchRecorder:
         method or attribute of an argument Triton asks, such as `data_ptr` or `untyped_storage`)
         would run where the data-flow log is paused and the launch's own checksums are taken. So
         arguments are of exact, known types only."""
-        if problem := self.guard.problem(kernel, bound):
+        if problem := self.guard.problem(kernel, bound) or self.guard.options_problem(kernel, kwargs):
             return problem
         given = (*bound.items(), *((k, v) for k, v in kwargs.items() if k not in bound))  # launch options too
         for param, v in given:

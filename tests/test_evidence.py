@@ -844,6 +844,7 @@ def test_a_launch_on_host_memory_is_refused_on_a_gpu_run(tmp_path):
         rec = runner.LaunchRecorder(str(tmp_path / "c.py"), device_type)
         rec.argument_types = runner._launch_argument_types()
         rec.guard.problem = lambda kernel, arguments: None  # the kernel object's own checks: test_launch_guard.py
+        rec.guard.options_problem = lambda kernel, kwargs: None
         why = rec._refused(kernel, {"x_ptr": torch.ones(4), "n": 4}, {})
         assert (why is not None) == refused, why
     assert "x_ptr is a tensor on cpu, not on the run's cuda" in rec._refused(kernel, {"x_ptr": (torch.ones(2),)}, {})

@@ -215,3 +215,58 @@ def test_a_reference_out_of_gpu_memory_says_where_the_judges_memory_is(monkeypat
             with judge._reference_fails("the reference's get_inputs() failed"):
                 raise exc
         assert stop.value.verdict == "reference_error" and stop.value.error.endswith(str(exc) + suffix), stop.value.error
+
+
+def test_timed_calls_held_for_verification_keep_no_inputs(monkeypatch):
+    """Small outputs are verified a block at a time; the candidate calls held until then must not
+    keep their inputs (8 GiB each on level 1's reductions: five of them ran the judge out of GPU
+    memory)."""
+    import types
+
+    from drkernel import judge
+    held_inputs = []
+    monkeypatch.setattr(judge, "_twin_ms", lambda r, seed, keep=False: judge.Call(
+        reply={}, wall_ms=1.0, inputs=[object()], seed=seed, output="ref", ms=1.0))
+    monkeypatch.setattr(judge, "_candidate_ms", lambda j, seed, label: judge.Call(
+        reply={}, wall_ms=1.0, inputs=[object()], seed=seed, output="out", ms=1.0))
+    monkeypatch.setattr(judge, "_verify_held", lambda j, held: (held_inputs.extend(c.inputs for c, _, _ in held),
+                                                                held.clear()))
+    monkeypatch.setattr(judge, "_precise_enough", lambda j, ref_ms, cand_ms: False)
+    monkeypatch.setattr(judge, "_unwatched_probe", lambda j: None)
+    ref = types.SimpleNamespace(perf_n=6, out_views=[])
+    j = types.SimpleNamespace(ref=ref, cfg=types.SimpleNamespace(timing_block_calls=3))
+    ref_ms, _, events, _ = judge._timed_pairs(j)
+    assert len(ref_ms) == len(events) == 6 and len(held_inputs) == 6
+    assert all(inputs == [] for inputs in held_inputs)
+
+
+def test_the_unwatched_counterfactual_pair_runs_with_no_timed_call_held(monkeypatch):
+    """The extra pair draws full-size inputs and keeps two outputs, as a timed pair does: nothing of
+    the timed calls before it may still be alive then (RMSNorm and L2Norm ran out of GPU memory)."""
+    import gc
+    import types
+    import weakref
+
+    from drkernel import judge
+    made, alive_at_probe = [], []
+
+    def call(*args, **kwargs):
+        c = judge.Call(reply={}, wall_ms=1.0, inputs=[object()], seed=0, output=object(), ms=1.0)
+        made.append(weakref.ref(c))
+        return c
+
+    def probe(j, kernel, signed, label):
+        gc.collect()
+        alive_at_probe.append(sum(r() is not None for r in made))
+
+    monkeypatch.setattr(judge, "_twin_ms", call)
+    monkeypatch.setattr(judge, "_candidate_ms", call)
+    monkeypatch.setattr(judge, "_verify_held", lambda j, held: held.clear())
+    monkeypatch.setattr(judge, "_precise_enough", lambda j, ref_ms, cand_ms: False)
+    monkeypatch.setattr(judge, "_unwatched_probe", lambda j: ("kernel", False))
+    monkeypatch.setattr(judge, "_unwatched_counterfactual", probe)
+    for _ in range(4):  # the pair's place is drawn at random
+        made.clear()
+        judge._timed_pairs(types.SimpleNamespace(ref=types.SimpleNamespace(perf_n=5, out_views=[]),
+                                                 cfg=types.SimpleNamespace(timing_block_calls=5)))
+    assert alive_at_probe == [0, 0, 0, 0]

@@ -442,26 +442,90 @@ def get_init_inputs():
 '''
 
 
+# a Triton copy: a ReLU on [0, 1) inputs, caught only by signed ones
+COPY = textwrap.dedent('''
+    @triton.jit
+    def copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=m), mask=m)
+
+
+    def copy(x):
+        out = torch.empty_like(x)
+        copy_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
+        return out
+    ''')
+
+
 def test_signed_trials_judge_what_is_finite_where_the_reference_is_not():
     """Signed-normal inputs leave this reference's domain on some rows; its other rows still tell
     ReLU(x) from x (uniform inputs cannot), so a candidate that drops the ReLU must fail there."""
-    shortcut = relu_candidate("return copy(x) + torch.log(x[:, :1])", extra=textwrap.dedent('''
-        @triton.jit
-        def copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            m = offs < n
-            tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=m), mask=m)
-
-
-        def copy(x):
-            out = torch.empty_like(x)
-            copy_kernel[(triton.cdiv(x.numel(), 256),)](x, out, x.numel(), BLOCK=256)
-            return out
-        '''))
+    shortcut = relu_candidate("return copy(x) + torch.log(x[:, :1])", extra=COPY)
     r = shared_evaluate(OUT_OF_DOMAIN_REFERENCE, shortcut, cfg())
     assert r.verdict == "incorrect" and "signed" in r.error, (r.verdict, r.error)
     honest = relu_candidate("return launch(x) + torch.log(x[:, :1])")
     assert shared_evaluate(OUT_OF_DOMAIN_REFERENCE, honest, cfg()).verdict == "correct"
+
+
+TRIANGLE_REFERENCE = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, a):
+        return a.sum(dim=1)
+
+
+def get_inputs():
+    return [torch.triu(torch.rand(24, 24))]
+
+
+def get_init_inputs():
+    return []
+'''
+
+UPPER_ROW_SUMS = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def upper_row_sums(a_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        keep = (cols >= row) & (cols < n)  # below the diagonal is zero: not read
+        tl.store(out_ptr + row, tl.sum(tl.load(a_ptr + row * n + cols, mask=keep, other=0.0), axis=0))
+
+
+    class ModelNew(nn.Module):
+        def forward(self, a):
+            a = a.contiguous()
+            out = torch.empty(a.shape[0], device=a.device, dtype=a.dtype)
+            upper_row_sums[(a.shape[0],)](a, out, a.shape[1], BLOCK=32)
+            return out
+    ''')
+
+
+def test_signed_trials_keep_the_structure_get_inputs_builds():
+    """KernelBench's triangular and symmetric matmuls build their inputs from uniform draws; the
+    signed trials draw normals there and keep the triangle, so a kernel that skips the zeros below
+    the diagonal is right; shortcuts that need [0, 1) values still fail (the ReLU test above)."""
+    r = shared_evaluate(TRIANGLE_REFERENCE, UPPER_ROW_SUMS, cfg())
+    assert r.verdict == "correct", (r.verdict, r.error)
+
+
+def test_signed_trials_replace_the_floats_of_a_get_inputs_that_draws_no_torch_rand():
+    """A `get_inputs()` that fills its inputs otherwise (`uniform_`) gets its float inputs replaced
+    by normals: the copy that passes for a ReLU on [0, 1) must still fail."""
+    reference = (TASKS / "1_ReLU.py").read_text().replace("torch.rand(batch_size, dim) * 2 - 1",
+                                                          "torch.empty(batch_size, dim).uniform_(0, 1)")
+    assert "uniform_" in reference
+    r = shared_evaluate(reference, relu_candidate("return copy(x)", extra=COPY), cfg())
+    assert r.verdict == "incorrect" and "signed" in r.error, (r.verdict, r.error)
 
 
 STRUCTURED_REFERENCE = '''
@@ -523,6 +587,8 @@ def test_a_sparse_output_is_a_bad_output_type_not_a_crash_of_the_evidence_code()
     "import operator\nup = operator.methodcaller(name)",
     "up = getattr(frame, 'f_' + 'back')",
     "up = getattr(frame, f'f_{rest}')",
+    "up = getattr(frame, '{}back'.format('f_'))",  # a literal in the field
+    "up = getattr(frame, '%sback' % 'f_')",
     "import bdb", "import cProfile", "import faulthandler",  # debuggers and profilers get frames
     "import pickle", "payload = b'csys\\n_getframe\\n'",  # objects rebuilt from data
 ])
@@ -554,6 +620,23 @@ def test_the_source_scan_finds_numerics_flags_set(snippet):
     "tf32 = torch.backends.cuda.matmul.allow_tf32",  # read only
     "torch.set_float32_matmul_precision('highest')",  # its default
     "for i in range(3):\n    setattr(self, f'fc{i}', nn.Linear(4, 4))\n    y = getattr(self, f'fc{i}')(y)",
+    "torch.backends.cudnn.benchmark = False",  # its default; the state check judges what is left
+    "torch.backends.cudnn.deterministic = True",  # can only cost the candidate time
+    "w = getattr(self.gru, 'weight_ih_l%d' % layer)",  # the ways models loop over an RNN's weights
+    "w = getattr(self.lstm, 'weight_hh_l' + str(layer))",
+    "w = getattr(self.lstm, 'bias_ih_l{}'.format(layer))",
 ])
 def test_the_source_scan_passes_what_honest_kernels_write(snippet):
     assert integrity.static_scan(snippet) == [], snippet
+
+
+@pytest.mark.parametrize("snippet", [
+    "torch.relu, _ = fake_relu, 0",  # a tuple target
+    "[tl.tensor.__add__] = [fake_add]",
+    "for torch.relu in [fake_relu]:\n    pass",
+    "with hook() as torch.nn.functional.gelu:\n    pass",
+    "del torch.backends.cudnn.benchmark",
+    "torch.backends.cuda.matmul.allow_tf32, x = True, 1",  # a numerics flag, not by a plain assignment
+])
+def test_the_source_scan_finds_torch_or_triton_rebound_in_any_form(snippet):
+    assert "patched_function" in {code for code, _ in integrity.static_scan(snippet)}, snippet
