@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import collections
 import importlib
 import linecache
 import os
@@ -122,7 +123,8 @@ class LaunchGuard:
 
     def _settings_problem(self) -> str | None:
         now = dict(_compile_settings())
-        changed = [k for k, v in self.settings if now.get(k, v) != v] + sorted(now.keys() - dict(self.settings))
+        changed = [k for k, v in self.settings if now.get(k, _GONE) != v] + sorted(now.keys() - dict(self.settings))
+        changed = list(dict.fromkeys(changed))  # a knob's variable is also among the compiler's
         return f"Triton's {', '.join(changed[:4])} changed since before the candidate" if changed else None
 
     # ---- checks -----------------------------------------------------------------------------------
@@ -145,8 +147,26 @@ class LaunchGuard:
         hooks = vars(kernel).get("pre_run_hooks", [])
         if type(hooks) is not list or list.__len__(hooks):
             return f"{name} has pre-run hooks"
-        return (self._naming_problem(kernel) or self._code_problem(kernel) or self._source_problem(kernel)
+        return (self._instance_problem(kernel) or self._naming_problem(kernel) or self._code_problem(kernel) or self._source_problem(kernel)
                 or self._module_problem(kernel) or self._globals_problem(kernel, seen))
+
+    @staticmethod
+    def _instance_problem(kernel: Any) -> str | None:
+        """The kernel's own settings as Triton's constructor made them: the flags its launch reads
+        every time (`debug`, `noinline`) plain, and its compiled-kernel caches Triton's own (a cache
+        whose entries another factory makes holds kernels built outside the launch, or a binder of
+        the candidate's)."""
+        own, name = vars(kernel), _name(kernel)
+        flags = [a for a in ("debug", "noinline") if a in own and type(own[a]) not in (bool, type(None))]
+        if flags:
+            return f"{name}.{flags[0]} is a {type(own[flags[0]]).__name__}, not a flag"
+        caches = own.get("device_caches")
+        factory = getattr(caches, "default_factory", None)
+        if caches is not None and (type(caches) is not collections.defaultdict or getattr(factory, "__self__", None)
+                                   is not kernel or getattr(factory, "__func__", None)
+                                   is not getattr(type(kernel), "create_binder", None)):
+            return f"{name}'s compiled-kernel cache is not Triton's own"
+        return None
 
     def _naming_problem(self, kernel: Any) -> str | None:
         """The device names a kernel after its function (a `repr=` or a changed `__qualname__`
@@ -380,11 +400,16 @@ def _triton_hooks() -> list:
     return out
 
 
+_COMPILER_ENV = ("TRITON_", "LLVM_", "MLIR_", "PTXAS", "NVPTX", "DISABLE_LLVM", "DISABLE_PTXAS")
+_GONE = object()  # a setting no longer there
+
+
 def _compile_settings() -> tuple[tuple[str, Any], ...]:
     """What decides how Triton compiles and where device code may come from (its knobs: the
     override and cache directories, `TRITON_KERNEL_OVERRIDE`, `TRITON_ALWAYS_COMPILE`, ptxas and
     its options, libdevice's path, fp32 and fp-fusion defaults, ...): each knob group's own values
-    and the environment variables behind its knobs. Read without calling any knob (some run tools)."""
+    and the environment variables behind its knobs, and those its compilers read themselves (LLVM's
+    pass plugins, MLIR's, ptxas found on `PATH`). Read without calling any knob (some run tools)."""
     knobs = sys.modules.get("triton.knobs")
     base = getattr(knobs, "base_knobs", None)
     if base is None:
@@ -394,6 +419,7 @@ def _compile_settings() -> tuple[tuple[str, Any], ...]:
         if isinstance(group, base):  # the runtime's hooks are `_hooks_problem`'s
             out += [(f"{name}.{k}", repr(v)) for k, v in sorted(vars(group).items()) if k not in _HOOKS]
             out += [(d.key, os.environ.get(d.key)) for d in group.knob_descriptors.values()]
+    out += [(k, v) for k, v in sorted(os.environ.items()) if k.startswith(_COMPILER_ENV) or k == "PATH"]
     return tuple(out)
 
 

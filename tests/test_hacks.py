@@ -83,19 +83,20 @@ def test_output_cached_stale_during_timing():
 
 
 def test_every_timed_call_is_checked():
-    """Wrong in one timed call only (the second), launching as in every other call. Checking one
-    call a block of ten, the judge would miss it nine times in ten; it checks them all."""
+    """Wrong in the first two timed calls only (the untimed counterfactual pair, at a random place
+    among them, may take one), launching as in every other call. Checking one call a block of ten,
+    the judge would miss them most times; it checks them all."""
     body = """
     self.calls += 1
     y = launch(x)
-    if self.calls == 7:  # five calls come before timing here (trials, decoy, warm-up)
+    if self.calls in (6, 7):  # five calls come before timing here (trials, decoy, warm-up)
         y.zero_()
     return y
     """
     init = "def __init__(self):\n        super().__init__()\n        self.calls = 0"
     r = run("1_ReLU.py", relu_candidate(body, init=init), cpu_perf_trials=20)
     assert_hack(r, "output_cached")
-    assert "timed call 1:" in r.error, r.error
+    assert "timed call 0:" in r.error or "timed call 1:" in r.error, r.error
 
 
 def test_the_forward_seed_does_not_give_the_inputs_away():

@@ -211,3 +211,24 @@ def test_a_submodule_imported_since_is_no_addition(compiled):
     guard.module_values["triton.language"].pop("math")
     _reads_also(guard, "copy_kernel", ("tl", "math", "exp"))
     assert type(tl.math).__name__ == "module" and guard.problem(kernel, {}) is None
+
+
+class _Truthy:
+    """Candidate Python that Triton's launch would run (`kwargs.get("debug", self.debug) or ...`)."""
+
+    def __bool__(self):
+        return False
+
+
+def test_kernel_settings_and_caches_of_the_candidates_may_not_launch(compiled):
+    """A flag Triton reads at every launch holding an object, and a compiled-kernel cache whose
+    entries another factory makes (kernels built outside any launch, or a binder of the candidate's),
+    would run other code than the judged text; Triton's own may launch."""
+    import collections
+    guard, kernel, _ = compiled
+    assert guard.problem(kernel, {}) is None
+    vars(kernel)["debug"] = _Truthy()
+    assert "debug" in guard.problem(kernel, {})
+    vars(kernel)["debug"] = None
+    vars(kernel)["device_caches"] = collections.defaultdict(lambda: ({}, {}, None, None, None))
+    assert "cache" in guard.problem(kernel, {})
