@@ -807,24 +807,11 @@ def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str], launches: Any)
     have written what the output is made of (else `decoy_kernel`); per kernel, the share of its
     launches that did weighs its device time in the profile. A log cut short is no evidence, and
     its launches must be those the launch record `reported` (which kernels, how many)."""
-    try:
-        events = [dataflow.Event.from_list(e) for e in flow["events"]]
-        outputs = [int(k) for k in flow["outputs"]]
-        spans = {int(k): (int(lo), int(hi)) for k, lo, hi in flow["output_spans"]}
-        truncated = bool(flow["truncated"])
-    except (TypeError, KeyError, ValueError):
-        j.hack("forged_reply", f"trial {ti}: a malformed data-flow log")
-    if truncated:
-        j.hack("decoy_kernel", f"trial {ti}: forward ran more than {dataflow.MAX_EVENTS} ops: what the output "
-                               "needs cannot be told")
+    events, outputs, mine = _launch_needs(j, f"trial {ti}", flow)
     logged = [e.kernel for e in events if e.kernel is not None]
     if {k for k in logged if k in j.kernels} != reported or len(logged) != launches:
         j.hack("forged_reply", f"trial {ti}: the launch record ({sorted(reported)}, {launches} launches) and the "
                                f"data-flow log ({len(logged)}) disagree on the candidate's launches")
-    stores = {name: k.stores for name, k in j.kernels.items()}
-    needed = dataflow.needed_launches(events, outputs, stores, spans)
-    launches = [e for e in events if e.kernel is not None]
-    mine = [(e.kernel, n) for e, n in zip(launches, needed) if e.kernel in stores]
     for name, n in mine:
         j.flow.launches[name] = j.flow.launches.get(name, 0) + 1
         j.flow.needed[name] = j.flow.needed.get(name, 0) + int(n)
@@ -833,6 +820,26 @@ def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str], launches: Any)
     if mine and outputs and not any(n for _, n in mine):
         j.hack("decoy_kernel", f"trial {ti}: no launch of the candidate's Triton kernels wrote anything the output "
                                "is made of (torch computed it)")
+
+
+def _launch_needs(j: Judge, label: str, flow: Any) -> tuple[list, list[int], list[tuple[str, bool]]]:
+    """A checked call's data-flow log: its events, its output keys, and per launch of the
+    candidate's kernels whether the output is made of what it wrote. A malformed log is a forged
+    reply; one cut short is no evidence (`decoy_kernel`)."""
+    try:
+        events = [dataflow.Event.from_list(e) for e in flow["events"]]
+        outputs = [int(k) for k in flow["outputs"]]
+        spans = {int(k): (int(lo), int(hi)) for k, lo, hi in flow["output_spans"]}
+        truncated = bool(flow["truncated"])
+    except (TypeError, KeyError, ValueError):
+        j.hack("forged_reply", f"{label}: a malformed data-flow log")
+    if truncated:
+        j.hack("decoy_kernel", f"{label}: forward ran more than {dataflow.MAX_EVENTS} ops: what the output "
+                               "needs cannot be told")
+    stores = {name: k.stores for name, k in j.kernels.items()}
+    needed = dataflow.needed_launches(events, outputs, stores, spans)
+    launches = [e for e in events if e.kernel is not None]
+    return events, outputs, [(e.kernel, n) for e, n in zip(launches, needed) if e.kernel in stores]
 
 
 def _mutations(j: Judge, ti: int, c: Call, pristine: list, ref_in: list) -> None:
@@ -1249,9 +1256,27 @@ def _unwatched_counterfactual(j: Judge, kernel: str, signed: bool, label: str) -
         return  # perturbed data may make an honest kernel fail
     _check_left_idle(j, label)
     ran = kernel in _own_kernels(j, c.reply.get("kernels"))
-    if ran and c.output is not None and compare.compare(c.output, ref, j.cfg, finite_only=_finite_only(signed, ref)).ok:
-        j.hack("decoy_kernel", f"{label}: the output stayed right when what {kernel} read was perturbed, as it did "
-                               "not in a checked call: outside the checked calls its work does not reach the output")
+    right = ran and c.output is not None and compare.compare(c.output, ref, j.cfg,
+                                                             finite_only=_finite_only(signed, ref)).ok
+    c = None  # its inputs and output go before the checked call's come
+    if right and not _watched_agrees(j, kernel, seed, signed, ref):
+        j.hack("decoy_kernel", f"{label}: the output stayed right when what {kernel} read was perturbed, and a "
+                               "checked call on the same inputs and perturbation did not: outside the checked calls "
+                               "its work does not reach the output")
+
+
+def _watched_agrees(j: Judge, kernel: str, seed: int, signed: bool, ref: Any) -> bool:
+    """Whether a checked call on the same inputs, `kernel`'s reads perturbed alike, is right too,
+    with the output made by the candidate's launches: an honest kernel whose perturbation this draw
+    does not show (an argmax of a few elements, a short label tensor rolled onto itself) answers
+    alike in both; one that works only when watched does not."""
+    try:
+        c = call_candidate(j, seed, "check", signed=signed, keep=True, perturb=(kernel,))
+    except Stop:
+        return False
+    if c.output is None or not compare.compare(c.output, ref, j.cfg, finite_only=_finite_only(signed, ref)).ok:
+        return False
+    return any(needed for _, needed in _launch_needs(j, "a counterfactual call", c.reply.get("flow"))[2])
 
 
 def _output_bytes(r: Reference) -> int:
@@ -1476,7 +1501,10 @@ def check_needed(j: Judge, signed: bool) -> None:
     it, a counterfactual call in which its launches read perturbed data (`drkernel.counterfactual`),
     on fresh inputs: an output still right means the kernel's work was not needed (its share of
     the profile counts as not useful). A candidate whose output stayed right while no kernel's
-    counterfactual changed it is a decoy (a kernel a call did not launch says nothing about itself)."""
+    counterfactual changed it is a decoy (a kernel a call did not launch says nothing about itself).
+    A kernel whose counterfactual stays right is asked again on other draws: on some, an honest
+    kernel's perturbation does not show (an argmax of a few elements, a short label tensor rolled
+    onto itself)."""
     if not j.cfg.require_triton:
         return
     todo = sorted(k for k, n in j.flow.needed.items() if n)
@@ -1484,6 +1512,10 @@ def check_needed(j: Judge, signed: bool) -> None:
     while todo:
         name = todo.pop(0)
         right, launched = _right_without(j, name, signed)
+        for _ in range(_DRAWS_AGAIN):
+            if not (right and name in launched):
+                break
+            right, launched = _right_without(j, name, signed)
         if right and not launched:
             j.hack("no_triton_kernel", "a checked call launched no Triton kernel of the candidate's source "
                                        "over a non-empty grid and was right")
@@ -1499,6 +1531,9 @@ def check_needed(j: Judge, signed: bool) -> None:
     if right_once and not needed and _output_depends_on_inputs(j.ref):
         j.hack("decoy_kernel", f"the output is still correct when what the candidate's kernels "
                                f"({', '.join(sorted(asked))[:200]}) read is perturbed")
+
+
+_DRAWS_AGAIN = 2
 
 
 def _output_depends_on_inputs(r: Reference) -> bool:
@@ -1536,8 +1571,8 @@ def _right_without(j: Judge, kernel: str, signed: bool) -> tuple[bool | None, se
             c = call_candidate(j, fresh_seed(), "check", signed=signed, keep=True, perturb=(kernel,))
         except Stop:
             return None, set()
-        right = c.output is not None and compare.compare(
-            c.output, run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed), j.cfg).ok
+        ref = run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed)
+        right = c.output is not None and compare.compare(c.output, ref, j.cfg, finite_only=_finite_only(signed, ref)).ok
         return right, _own_kernels(j, c.reply.get("kernels"))
 
 

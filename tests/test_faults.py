@@ -270,3 +270,54 @@ def test_the_unwatched_counterfactual_pair_runs_with_no_timed_call_held(monkeypa
         judge._timed_pairs(types.SimpleNamespace(ref=types.SimpleNamespace(perf_n=5, out_views=[]),
                                                  cfg=types.SimpleNamespace(timing_block_calls=5)))
     assert alive_at_probe == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("watched, flagged", [("right", False), ("wrong", True), ("fails", True), (None, False)])
+def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_inputs_disagrees(
+        monkeypatch, watched, flagged):
+    """The pair among the timed calls perturbs a kernel whose checked counterfactual moved the
+    output. On some draws an honest kernel's perturbation does not show (an argmax of a few
+    elements): a checked call on the same inputs and perturbation is right too, and nothing is
+    flagged. A candidate that works only when watched answers the two otherwise (None: the
+    unwatched output was wrong, as an honest kernel's mostly is, and nothing more is asked)."""
+    import types
+
+    from drkernel import compare, judge
+    asked = []
+
+    def candidate(j, seed, mode, signed=False, keep=False, perturb=()):
+        asked.append(mode)
+        if mode == "check" and watched == "fails":
+            raise judge.Stop("runtime_error", "raised on perturbed data")
+        out = ("right" if watched else "wrong") if mode == "time" else watched
+        return judge.Call(reply={"kernels": ["k"], "flow": {}}, wall_ms=1.0, inputs=[], seed=seed, output=out)
+
+    monkeypatch.setattr(judge, "call", lambda *a, **k: judge.Call(reply={}, wall_ms=1.0, inputs=[], seed=0,
+                                                                  output="ref"))
+    monkeypatch.setattr(judge, "call_candidate", candidate)
+    monkeypatch.setattr(judge, "_check_left_idle", lambda j, label: None)
+    monkeypatch.setattr(judge, "_own_kernels", lambda j, names: set(names or ()))
+    monkeypatch.setattr(judge, "_launch_needs", lambda j, label, flow: ([], [], [("k", True)]))
+    monkeypatch.setattr(compare, "compare", lambda out, ref, cfg, **kw: compare.Match(out == "right", ""))
+    hacks = []
+    j = types.SimpleNamespace(ref=types.SimpleNamespace(twin=None), cfg=None,
+                              hack=lambda code, detail, stop=True: hacks.append(code))
+    judge._unwatched_counterfactual(j, "k", False, "the pair")
+    assert hacks == (["decoy_kernel"] if flagged else [])
+    assert asked == (["time"] if watched is None else ["time", "check"])
+
+
+def test_a_counterfactual_that_stays_right_is_asked_again_on_other_draws(monkeypatch):
+    """An honest kernel's perturbation may not show on one draw (an argmax over a few elements
+    keeps its index half the time); it shows on the next, and the kernel is needed, no decoy."""
+    import types
+
+    from drkernel import judge
+    answers = iter([(True, {"k"}), (False, {"k"})])
+    monkeypatch.setattr(judge, "_right_without", lambda j, name, signed: next(answers))
+    monkeypatch.setattr(judge, "_output_depends_on_inputs", lambda r: True)
+    hacks = []
+    j = types.SimpleNamespace(cfg=types.SimpleNamespace(require_triton=True), flow=judge.Flow(needed={"k": 1}),
+                              details={}, ref=None, hack=lambda code, detail, stop=True: hacks.append(code))
+    judge.check_needed(j, signed=False)
+    assert hacks == [] and j.flow.unneeded == set() and j.flow.moved == {"k": False}
