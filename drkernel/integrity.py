@@ -177,7 +177,8 @@ def _library_set(node: ast.AST, roots: set[str], plain: dict[int, ast.AST]) -> s
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2 and (
             node.func.id in ("setattr", "delattr") or (node.func.id == "getattr" and not isinstance(node.args[1], ast.Constant))):
         target = dotted(node.args[0])
-        hint = ", a name not written out: write `F.gelu`, or keep a dict of functions" if node.func.id == "getattr" else ""
+        hint = (", a name not written out: write `F.gelu`, or keep a dict of functions"
+                if node.func.id == "getattr" else "")
         return f"{node.func.id}({target}, ...){hint}" if target.split(".")[0] in roots else None
     if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del))
             and dotted(node).split(".")[0] in roots):

@@ -931,6 +931,11 @@ def _trial(j: Judge, ti: int, seed: int, signed: bool, degenerate: bool) -> None
     _judge_values(j, ti, signed, c.output, ref, c.inputs, degenerate, _finite_only(signed, ref))
 
 
+def _right(j: Judge, output: Any, ref: Any, signed: bool) -> bool:
+    """Whether a counterfactual call's output (None: it committed none) passes as a trial's would."""
+    return output is not None and compare.compare(output, ref, j.cfg, finite_only=_finite_only(signed, ref)).ok
+
+
 def _finite_only(signed: bool, ref) -> bool:
     """Signed inputs may leave the reference's domain (a log, a square root): such an output is
     judged where the reference's is finite."""
@@ -1207,13 +1212,12 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
     probe = _unwatched_probe(j)
     probe_at = random.SystemRandom().randrange(r.perf_n)
     for i in range(r.perf_n):
+        calls.clear()  # no earlier pair's full-size inputs and outputs held beside the next one's
         if probe and i == probe_at:
-            calls.clear()  # no timed call's inputs and outputs held beside the pair's (full sizes)
             _verify_held(j, held)
             _unwatched_counterfactual(j, *probe, f"the counterfactual among timed calls (before {i})")
             probe = None
         seed = fresh_seed()
-        calls.clear()
         for side in (("ref", "cand") if i % 2 == 0 else ("cand", "ref")):
             calls[side] = _twin_ms(r, seed, keep=True) if side == "ref" else _candidate_ms(j, seed, f"timed call {i}")
         ref_ms.append(calls["ref"].ms)
@@ -1256,8 +1260,7 @@ def _unwatched_counterfactual(j: Judge, kernel: str, signed: bool, label: str) -
         return  # perturbed data may make an honest kernel fail
     _check_left_idle(j, label)
     ran = kernel in _own_kernels(j, c.reply.get("kernels"))
-    right = ran and c.output is not None and compare.compare(c.output, ref, j.cfg,
-                                                             finite_only=_finite_only(signed, ref)).ok
+    right = ran and _right(j, c.output, ref, signed)
     c = None  # its inputs and output go before the checked call's come
     if right and not _watched_agrees(j, kernel, seed, signed, ref):
         j.hack("decoy_kernel", f"{label}: the output stayed right when what {kernel} read was perturbed, and a "
@@ -1274,7 +1277,7 @@ def _watched_agrees(j: Judge, kernel: str, seed: int, signed: bool, ref: Any) ->
         c = call_candidate(j, seed, "check", signed=signed, keep=True, perturb=(kernel,))
     except Stop:
         return False
-    if c.output is None or not compare.compare(c.output, ref, j.cfg, finite_only=_finite_only(signed, ref)).ok:
+    if not _right(j, c.output, ref, signed):
         return False
     return any(needed for _, needed in _launch_needs(j, "a counterfactual call", c.reply.get("flow"))[2])
 
@@ -1452,7 +1455,8 @@ def _profile_doubt(j: Judge, summary: dict, rows: list[tuple[str, int, float]], 
     if summary["total_device_ms"] > wall_ms:
         return f"the traces claim {summary['total_device_ms']:.3f} ms of device time in {wall_ms:.3f} ms"
     if j.borrowed:
-        return f"device kernels named like the candidate's {', '.join(sorted(j.borrowed))} ran more often than it launched them"
+        return (f"device kernels named like the candidate's {', '.join(sorted(j.borrowed))} ran more often than "
+                "it launched them")
     for name, calls in profiling.candidate_launches(rows, j.kernels).items():
         if calls > _PROFILED_CALLS * j.flow.most.get(name, 0):
             return f"{name} launched {calls} times in {_PROFILED_CALLS} profiled calls, at most " \
@@ -1571,8 +1575,7 @@ def _right_without(j: Judge, kernel: str, signed: bool) -> tuple[bool | None, se
             c = call_candidate(j, fresh_seed(), "check", signed=signed, keep=True, perturb=(kernel,))
         except Stop:
             return None, set()
-        ref = run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed)
-        right = c.output is not None and compare.compare(c.output, ref, j.cfg, finite_only=_finite_only(signed, ref)).ok
+        right = _right(j, c.output, run_reference(j.ref, reference_inputs(j.ref, c.inputs), c.seed), signed)
         return right, _own_kernels(j, c.reply.get("kernels"))
 
 

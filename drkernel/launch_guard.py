@@ -122,9 +122,9 @@ class LaunchGuard:
             raise RuntimeError(f"{_name(kernel)} was built under other settings: {changed}")
 
     def _settings_problem(self) -> str | None:
-        now = dict(_compile_settings())
-        changed = [k for k, v in self.settings if now.get(k, _GONE) != v] + sorted(now.keys() - dict(self.settings))
-        changed = list(dict.fromkeys(changed))  # a knob's variable is also among the compiler's
+        now = _compile_settings()
+        was = self.settings
+        changed = sorted(k for k in now.keys() | was.keys() if now.get(k, _GONE) != was.get(k, _GONE))
         return f"Triton's {', '.join(changed[:4])} changed since before the candidate" if changed else None
 
     # ---- checks -----------------------------------------------------------------------------------
@@ -147,8 +147,8 @@ class LaunchGuard:
         hooks = vars(kernel).get("pre_run_hooks", [])
         if type(hooks) is not list or list.__len__(hooks):
             return f"{name} has pre-run hooks"
-        return (self._instance_problem(kernel) or self._naming_problem(kernel) or self._code_problem(kernel) or self._source_problem(kernel)
-                or self._module_problem(kernel) or self._globals_problem(kernel, seen))
+        return (self._instance_problem(kernel) or self._naming_problem(kernel) or self._code_problem(kernel)
+                or self._source_problem(kernel) or self._module_problem(kernel) or self._globals_problem(kernel, seen))
 
     @staticmethod
     def _instance_problem(kernel: Any) -> str | None:
@@ -404,7 +404,7 @@ _COMPILER_ENV = ("TRITON_", "LLVM_", "MLIR_", "PTXAS", "NVPTX", "DISABLE_LLVM", 
 _GONE = object()  # a setting no longer there
 
 
-def _compile_settings() -> tuple[tuple[str, Any], ...]:
+def _compile_settings() -> dict[str, Any]:
     """What decides how Triton compiles and where device code may come from (its knobs: the
     override and cache directories, `TRITON_KERNEL_OVERRIDE`, `TRITON_ALWAYS_COMPILE`, ptxas and
     its options, libdevice's path, fp32 and fp-fusion defaults, ...): each knob group's own values
@@ -413,14 +413,14 @@ def _compile_settings() -> tuple[tuple[str, Any], ...]:
     knobs = sys.modules.get("triton.knobs")
     base = getattr(knobs, "base_knobs", None)
     if base is None:
-        return ()
-    out = []
-    for name, group in sorted(vars(knobs).items()):
+        return {}
+    out = {}
+    for name, group in vars(knobs).items():
         if isinstance(group, base):  # the runtime's hooks are `_hooks_problem`'s
-            out += [(f"{name}.{k}", repr(v)) for k, v in sorted(vars(group).items()) if k not in _HOOKS]
-            out += [(d.key, os.environ.get(d.key)) for d in group.knob_descriptors.values()]
-    out += [(k, v) for k, v in sorted(os.environ.items()) if k.startswith(_COMPILER_ENV) or k == "PATH"]
-    return tuple(out)
+            out.update((f"{name}.{k}", repr(v)) for k, v in vars(group).items() if k not in _HOOKS)
+            out.update((d.key, os.environ.get(d.key)) for d in group.knob_descriptors.values())
+    out.update((k, v) for k, v in os.environ.items() if k.startswith(_COMPILER_ENV) or k == "PATH")
+    return out
 
 
 def _launch_options() -> frozenset[str]:
