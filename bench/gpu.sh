@@ -24,6 +24,8 @@
 #   cli         the evaluator CLI's wall time for one level-1 evaluation, three times; then where
 #               the time goes (import and CUDA start-up times, the CLI's slowest imports)
 #   costs       the judge's per-call costs on real sizes (bench/judge_costs.py)
+#   profiler    (only when named) launch-bound models timed before and after one profiled call in one process
+#               (bench/profiler_after.py): a profiler left behind slows what the process times next
 # After the call each $OUT/<name>.json replaces bench/results/<name>_<card>.json (h200, h100), and its headline
 # numbers go on top of that benchmark's history table in docs/benchmarks.md.
 set -u
@@ -71,6 +73,7 @@ print(f'import torch {a - t:.2f} s, import triton {b - a:.2f} s, CUDA context {c
         # slowest imports of the CLI's own process instead (microseconds, cumulative)
         python -X importtime -m drkernel.evaluator --reference /tmp/ref.py \
             --candidate bench/solutions/level1_19_ReLU.py 2>&1 | grep "^import time" | sort -t'|' -k2 -n | tail -12 ;;
+    profiler) timeout 240 python bench/profiler_after.py --kernelbench "$KB" --out "$OUT/profiler_after.json" 2>&1 | tail -12 ;;
     costs) timeout 60 python bench/judge_costs.py --kernelbench "$KB" --problems 1:19,1:36,2:12 \
         --json "$OUT/judge_costs.json" 2>&1 | tail -8 ;;
     esac

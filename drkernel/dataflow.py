@@ -36,6 +36,15 @@ from drkernel.compare import tensors
 _BLOCK_WORDS = 1024  # 4 KiB blocks of 32-bit words: where a launch changed a storage, to this grain
 MAX_EVENTS = 50000  # a level-3 forward logs a few thousand; past this the log is marked truncated (no evidence)
 
+# The values a call read back to the host (`item()`, `float(t)`): one pseudo-storage every such read
+# writes into, keeping the earlier ones (a partial write). Ops that make a tensor out of a host
+# value read it, so a loss a kernel summed in parts, finished in Python and wrapped by
+# `torch.tensor`, is made of that kernel's work (no real storage has a negative key).
+HOST = -1
+_HOST_READ = "_local_scalar_dense"
+_FROM_HOST = frozenset({"lift_fresh_copy", "scalar_tensor", "full", "fill_"})
+_LIFTED = frozenset({"aten::lift_fresh"})
+
 # in-place ops that overwrite their first argument without reading it
 _OVERWRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "bernoulli_",
                          "exponential_", "geometric_", "cauchy_", "log_normal_", "set_"})
@@ -141,7 +150,11 @@ class FlowLog(TorchDispatchMode):
         if self.watch is not None and not self.changed:
             self.changed = self.watch()
         out = func(*args, **kwargs)
-        if not self.paused and not _is_view(func):
+        if self.paused:
+            return out
+        if func._schema.name in _LIFTED:  # an alias of a tensor torch.tensor() just made from host values
+            self._add(Event(name="lift_fresh", reads=[HOST], fresh=[self.keys.key(t) for t in tensors(out)]))
+        elif not _is_view(func):
             self._add(self._event(func, args, kwargs, out))
         return out
 
@@ -160,6 +173,10 @@ class FlowLog(TorchDispatchMode):
                 ev.partial.append(key)
                 if not overwrite:
                     ev.reads.append(key)
+        if name == _HOST_READ:
+            ev.partial.append(HOST)
+        elif name in _FROM_HOST:
+            ev.reads.append(HOST)
         known = set(ev.reads) | set(ev.over) | set(ev.partial)
         ev.fresh = sorted({k for k in (self.keys.key(t) for t in tensors(out)) if k not in known})
         return ev

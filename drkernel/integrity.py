@@ -61,7 +61,7 @@ _MODE_ESCAPES = {"_DisableTorchDispatch", "DisableTorchFunction", "DisableTorchF
                  "_pop_torch_function_stack", "_push_on_torch_function_stack", "_EnableTorchFunction"}
 _THREAD_MODULES = {"threading", "_thread", "concurrent", "multiprocessing", "asyncio", "subprocess"}
 _PATCH_STRINGS = {"torch.library", "Library", "_dispatch", "impl_abstract", "register_kernel", "pre_run_hooks",
-                  "add_pre_run_hook",
+                  "add_pre_run_hook", "addaudithook",
                   "__torch_function__", "__torch_dispatch__", "settrace", "setprofile"}
 
 
@@ -146,7 +146,7 @@ def _attribute_findings(node: ast.Attribute) -> list[tuple[str, str]]:
         out.append(("reference_access", f"{d} (reads the evaluator's own dispatch, function or profiler modes)"))
     if node.attr in _MODE_ESCAPES:
         out.append(("patched_function", f"{d} (runs torch past the evaluator's dispatch mode)"))
-    if node.attr in ("add_pre_run_hook", "pre_run_hooks"):
+    if node.attr in ("add_pre_run_hook", "pre_run_hooks", "addaudithook", "PySys_AddAuditHook"):
         out.append(("patched_function", f"{d} (candidate Python inside Triton's launch)"))
     if d in ("sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile"):
         out.append(("global_state_changed", d))
@@ -156,13 +156,16 @@ def _attribute_findings(node: ast.Attribute) -> list[tuple[str, str]]:
     return out
 
 
+_ATEN_OP = re.compile(r"aten::[\w.]+")  # an operator's name (`aten::relu.out`), not prose that mentions one
+
+
 def _string_findings(s: str, reference_path: str | None) -> list[tuple[str, str]]:
     """String constants that name what `getattr` or an import would reach."""
     out = []
     if (s in _REF_ATTRS - {"stack", "trace"} or s in ("modules", "ctypes", "gc", "importlib")
             or s in _REACH_ATTRS or "drkernel" in s):
         out.append(("reference_access", f"string {s!r}"))
-    if s in _PATCH_STRINGS or s in _MODE_ESCAPES or s.startswith("aten::"):
+    if s in _PATCH_STRINGS or s in _MODE_ESCAPES or _ATEN_OP.fullmatch(s.strip()):
         out.append(("patched_function", f"string {s!r}"))
     if reference_path and (os.path.basename(reference_path) in s or "ref_" in s and s.endswith(".py")):
         out.append(("reference_access", f"names the reference file ({s!r})"))
@@ -197,12 +200,18 @@ _CUDNN_SETTINGS = ("cudnn.benchmark", "cudnn.deterministic")
 
 def _dynamic_attribute(node: ast.AST) -> bool:
     """`getattr(x, "a" + "b")` and the like: a name assembled where the call is, which no scan
-    sees (a variable passes: `for name in ("weight", "bias"): setattr(self, name, ...)`; on torch
+    sees (a variable or its item passes: `for name in ("weight", "bias"): setattr(self, name, ...)`; on torch
     and Triton themselves only a constant does, `_library_set`)."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
             and node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2
-            and not isinstance(node.args[1], (ast.Constant, ast.Name, ast.Attribute))
-            and not _plain_built_name(node.args[1]))
+            and not _held_name(node.args[1]) and not _plain_built_name(node.args[1]))
+
+
+def _held_name(node: ast.AST) -> bool:
+    """A constant, or a name held in a variable, an attribute or an item of one (`self.names[i]`)."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    return isinstance(node, (ast.Constant, ast.Name, ast.Attribute))
 
 
 _FORMAT_FIELD = re.compile(r"%[-+ #0-9.]*[a-z]|\{[^{}]*\}")  # `%d`, `{}`, `{0}`: filled at run time
@@ -453,7 +462,8 @@ def _numerics_findings(node: ast.AST) -> list[tuple[str, str]]:
     if isinstance(node, ast.Assign):
         default = isinstance(node.value, ast.Constant) and node.value.value in _DEFAULTS
         return [("global_state_changed", f"sets {dotted(t) or t.attr} (a numerics flag the reference is timed without)")
-                for t in node.targets if isinstance(t, ast.Attribute) and _numerics_name(t.attr) and not default]
+                for t in node.targets if isinstance(t, ast.Attribute) and _numerics_name(t.attr) and not default
+                and not _own_field(t)]
     if isinstance(node, ast.Attribute) and node.attr.startswith(("set_", "_set_")) and _numerics_name(node.attr):
         return [("global_state_changed", f"{dotted(node) or node.attr} (sets a numerics flag)")]
     if isinstance(node, ast.Constant) and isinstance(node.value, str) and _numerics_name(node.value):
@@ -467,11 +477,33 @@ def _numerics_findings(node: ast.AST) -> list[tuple[str, str]]:
 _DEFAULTS = (False, "highest", "ieee")
 
 
+def _own_field(target: ast.Attribute) -> bool:
+    """`self.allow_tf32 = ...`: a module's own setting (passed to `tl.dot`, say), no torch flag; a
+    torch flag reached through `self` anyway is read at run time (`NumericsWatch`)."""
+    return isinstance(target.value, ast.Name) and target.value.id == "self"
+
+
 def _sets_default(node: ast.AST) -> bool:
     """A numerics setter called with its default (`torch.set_float32_matmul_precision("highest")`)."""
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _numerics_name(node.func.attr)
             and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Constant)
             and node.args[0].value in _DEFAULTS)
+
+
+class AuditHookGate:
+    """The runner's own audit hook, added before any candidate code: every later hook (Python's
+    `sys.addaudithook` or C's) is refused and counted. A hook of the candidate's would run inside
+    any audited step of the runner (a Triton launch reads a function's `__defaults__`), where torch
+    calls escape the data-flow log and their writes count as the launch's."""
+
+    def __init__(self):
+        self.refused = 0
+        sys.addaudithook(self)
+
+    def __call__(self, event: str, args: tuple) -> None:
+        if event == "sys.addaudithook":
+            self.refused += 1
+            raise RuntimeError("audit hooks are the evaluator's")  # the new hook is then not added
 
 
 class NumericsWatch:

@@ -25,6 +25,7 @@ substring or case-insensitive match. Names are compared after stripping surround
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any, Callable, Iterable
 
@@ -181,6 +182,10 @@ def profile_cuda(fn: Callable[[], Any]) -> tuple[Any, list[tuple[str, int, float
     """One call of `fn` under torch.profiler: its result, and the device kernels it ran as (name,
     1, µs) rows (None without CUDA). A failure of `fn` or of the profiler propagates."""
     import torch
+    # Kineto keeps CUPTI subscribed after a trace unless told to tear it down, and every later
+    # launch of the process then pays for it: a launch-bound reference profiled before it is timed
+    # (the twin's profiler probe) ran 1.37x slower after its one profiled call (bench/profiler_after.py)
+    os.environ["TEARDOWN_CUPTI"] = "1"
     if not torch.cuda.is_available():
         return fn(), None
     from torch.profiler import ProfilerActivity, profile

@@ -73,6 +73,7 @@ class ArgumentTypes:
     sequences: frozenset  # tuple, torch.Size: each item is checked too
     constexpr: type  # Triton's constexpr: what it holds is checked too
     descriptors: frozenset  # Triton's tensor descriptors: their base tensor and sizes are checked too
+    wrapper: type | None = None  # `triton.reinterpret`'s view of a tensor as another dtype
 
     def foreign(self, v: Any, depth: int = 0) -> str | None:
         """What in `v` is of no allowed type (its type's name), or None when nothing is."""
@@ -90,9 +91,23 @@ class ArgumentTypes:
             inner = [v.base, *v.shape, *v.strides, *v.block_shape]
             if type(v.base) not in self.tensors:
                 return f"{launch_pattern.type_name(cls)} over a {launch_pattern.type_name(type(v.base))}"
+        elif depth < 4 and cls is self.wrapper:
+            if set(vars(v)) != _WRAPPER_FIELDS or type(v.base) not in self.tensors or (v.device, v.shape) != (
+                    v.base.device, v.base.shape):
+                return f"{launch_pattern.type_name(cls)} with fields of its own"
+            inner = [v.base, v.data, v.dtype]
         else:
             return launch_pattern.type_name(cls)
         return next(filter(None, (self.foreign(x, depth + 1) for x in inner)), None)
+
+
+_WRAPPER_FIELDS = {"base", "dtype", "data", "device", "shape"}  # what Triton's TensorWrapper sets
+
+
+def unwrapped(bound: dict, wrapper: type | None) -> dict:
+    """The launch's arguments with each `triton.reinterpret` view replaced by the tensor it views:
+    what its kernel reads and writes there is that tensor's storage."""
+    return {p: v.base if wrapper is not None and type(v) is wrapper else v for p, v in bound.items()}
 
 
 def _shadows(t) -> bool:
@@ -115,8 +130,9 @@ def _launch_argument_types() -> ArgumentTypes:
     descriptors = set()
     with contextlib.suppress(ImportError):
         descriptors.add(importlib.import_module("triton.tools.tensor_descriptor").TensorDescriptor)
+    wrapper = getattr(importlib.import_module("triton.runtime.jit"), "TensorWrapper", None)
     return ArgumentTypes(frozenset(plain), frozenset({torch.Tensor, torch.nn.Parameter}), frozenset({tuple, torch.Size}),
-                         tl.constexpr, frozenset(descriptors))
+                         tl.constexpr, frozenset(descriptors), wrapper if isinstance(wrapper, type) else None)
 
 
 class LaunchRecorder:
@@ -193,10 +209,11 @@ class LaunchRecorder:
         if self.flow is not None:
             self.flow.paused += 1  # Triton's interpreter moves its arguments (and checksums run) with torch ops
         name = kernel.fn.__code__.co_name
+        tensors = unwrapped(bound, self.argument_types.wrapper)
         try:
-            with (counterfactual.perturbed(bound, self.kernels.get(name)) if real and name in self.perturb
+            with (counterfactual.perturbed(tensors, self.kernels.get(name)) if real and name in self.perturb
                   else contextlib.nullcontext()):
-                before = self._sums(bound) if real and self.track_changes else None
+                before = self._sums(tensors) if real and self.track_changes else None
                 self.guard.pin()
                 ret = orig(kernel, *args, grid=grid, warmup=False, **kwargs)
                 self.guard.seen(kernel)
@@ -205,7 +222,7 @@ class LaunchRecorder:
             if self.flow is not None:
                 self.flow.paused -= 1
         if real:
-            self._record(kernel, bound, grid, changed)
+            self._record(kernel, tensors, grid, changed)
         return ret
 
     def _refused(self, kernel, bound: dict, kwargs: dict) -> str | None:
@@ -221,6 +238,7 @@ class LaunchRecorder:
                 return f"argument {param} is a {foreign}: not a tensor, number, string, dtype or Triton's own"
             # a GPU kernel can read pinned host memory: torch on the CPU would then do the work,
             # beside device kernels that only copy, and the device's trace would show only those
+            v = unwrapped({param: v}, self.argument_types.wrapper)[param]
             elsewhere = {t.device.type for t in compare.tensors(v)} - {self.device_type}
             if elsewhere:
                 return f"argument {param} is a tensor on {', '.join(sorted(elsewhere))}, not on the run's {self.device_type}"
@@ -290,6 +308,7 @@ class Runner:
         self.model: Any = None
         self.snapshot: Any = None
         self.numerics: integrity.NumericsWatch | None = None
+        self.audit: integrity.AuditHookGate | None = None
         self.watched: dict[str, tuple[Any, str]] = {}
         self.evidence_state = ""
         self.threads0: set[int] = set()
@@ -334,6 +353,7 @@ class Runner:
         importlib.import_module("torch.profiler")
         # its CPU set is the judge's to move (onto the timing core while measured), not its own
         confine.restrict(self.job_dir, self.report, hidden=msg.get("hidden") or [], fixed_cores=True)
+        self.audit = integrity.AuditHookGate()
         self.watched = {**self.recorder.install(), **_evidence_machinery()}
         if self.device.type == "cuda":
             self.recorder.expected_stream = torch.cuda.current_stream(self.device)
@@ -492,6 +512,9 @@ class Runner:
             found.append(["patched_function", f"{where}: " + ", ".join(patched[:6])])
         if changes:
             found.append(["global_state_changed", f"{where}: " + ", ".join(changes[:6])])
+        if self.audit.refused:
+            found.append(["patched_function", f"{where}: {self.audit.refused} audit hook(s) added (refused: a hook "
+                                              "runs inside the runner's own steps)"])
         threads = integrity.python_threads() - self.threads0
         if threads:
             found.append(["thread_spawned", f"{where}: {len(threads)} new Python thread(s) alive"])
@@ -530,7 +553,7 @@ class Runner:
 # what stays the same object from the integrity snapshot on (per-call state such as the model,
 # the launch names or the data-flow log is replaced as it should be)
 _RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "structure", "snapshot", "watched",
-                 "threads0", "generators", "job_dir", "candidate", "report")
+                 "threads0", "generators", "job_dir", "candidate", "report", "audit")
 _RECORDER_FIXED = ("candidate_file", "argument_types", "_signatures", "installed", "expected_stream", "originals",
                    "guard")
 

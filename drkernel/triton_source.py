@@ -242,7 +242,7 @@ def _imported_only(values: list[ast.AST | None], module: str) -> bool:
 
 def _constant(v: ast.AST | None, scope: _Scope) -> bool:
     """A literal, arithmetic over constants (names found constant, `math`'s or numpy's constants and
-    functions, `float("inf")`, a dtype's limits), `constexpr(...)` of one, or an attribute of Triton's
+    functions, Triton's `next_power_of_2`/`cdiv`, `float("inf")`, a dtype's limits), `constexpr(...)` of one, or an attribute of Triton's
     (`tl.float32`). What it evaluates to is checked again at each launch (`launch_guard`): a plain
     number or Triton's own."""
     if isinstance(v, ast.Constant):
@@ -259,7 +259,9 @@ def _constant(v: ast.AST | None, scope: _Scope) -> bool:
         callee = dotted(v.func)
         if callee.rsplit(".", 1)[-1] == "constexpr" and len(v.args) == 1:
             return _constant(v.args[0], scope)
-        numeric = callee in scope.numeric or (callee.count(".") == 1 and callee.split(".")[0] in scope.numeric_modules)
+        parts = callee.split(".")
+        numeric = callee in scope.numeric or (len(parts) == 2 and (
+            parts[0] in scope.numeric_modules or (parts[0] in scope.tl_names and parts[1] in _TRITON_ARITHMETIC)))
         return numeric and all(_constant(a, scope) for a in v.args)
     if isinstance(v, ast.Attribute):
         root = dotted(v).split(".")[0]
@@ -268,6 +270,7 @@ def _constant(v: ast.AST | None, scope: _Scope) -> bool:
     return False
 
 
+_TRITON_ARITHMETIC = frozenset({"next_power_of_2", "cdiv"})  # `triton.next_power_of_2(300)`: a plain int
 _DTYPE_LIMITS = {"finfo": {"min", "max", "eps", "tiny", "smallest_normal", "resolution", "bits"},
                  "iinfo": {"min", "max", "bits"}}
 

@@ -582,6 +582,15 @@ def test_launch_arguments_are_of_exact_known_types_all_the_way_down():
     assert allowed.foreign((t, (Shown(1),))).endswith("Shown")
     assert "attributes of its own" in allowed.foreign(shadowed)
     assert allowed.foreign(types.SimpleNamespace(data_ptr=t.data_ptr, dtype=t.dtype)) == "SimpleNamespace"
+    import triton
+    assert allowed.foreign(triton.reinterpret(t, tl.int32)) is None  # Triton's own view of a tensor
+    assert allowed.foreign(triton.reinterpret(shadowed, tl.int32)).endswith("attributes of its own")
+    forged = triton.reinterpret(t, tl.int32)
+    forged.data_ptr = lambda: 0
+    assert "fields of its own" in allowed.foreign(forged)
+    moved = triton.reinterpret(t, tl.int32)
+    moved.shape = (1 << 20,)
+    assert "fields of its own" in allowed.foreign(moved)
 
 
 def test_recorded_launches_the_device_never_ran_are_a_forged_record():

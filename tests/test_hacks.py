@@ -592,6 +592,7 @@ def test_a_sparse_output_is_a_bad_output_type_not_a_crash_of_the_evidence_code()
     "up = getattr(frame, '%sback' % 'f_')",
     "import bdb", "import cProfile", "import faulthandler",  # debuggers and profilers get frames
     "import pickle", "payload = b'csys\\n_getframe\\n'",  # objects rebuilt from data
+    "up = getattr(frame, ('f_' + 'back',)[0])",  # an item of a name built where the call is
 ])
 def test_the_source_scan_finds_the_routes_to_the_runners_frames(snippet):
     assert "reference_access" in {code for code, _ in integrity.static_scan(snippet)}, snippet
@@ -606,6 +607,7 @@ def test_the_source_scan_finds_the_routes_to_the_runners_frames(snippet):
     "from torch._C import _set_cublas_allow_tf32",
     "torch._C._set_cudnn_allow_tf32(True)",
     "torch.set_flush_denormal(True)",
+    "self.matmul.allow_tf32 = True",  # only a field of self itself is the module's own
 ])
 def test_the_source_scan_finds_numerics_flags_set(snippet):
     """Flags that trade precision for speed: the reference is timed without them, and one turned on
@@ -626,6 +628,9 @@ def test_the_source_scan_finds_numerics_flags_set(snippet):
     "w = getattr(self.gru, 'weight_ih_l%d' % layer)",  # the ways models loop over an RNN's weights
     "w = getattr(self.lstm, 'weight_hh_l' + str(layer))",
     "w = getattr(self.lstm, 'bias_ih_l{}'.format(layer))",
+    "layer = getattr(self, self.layer_names[i])",  # as open as the name held in a variable
+    "self.allow_tf32 = allow_tf32",  # the module's own setting, handed to tl.dot
+    "def relu_kernel(x_ptr):\n    'aten::relu replacement: one block per program.'",  # prose
 ])
 def test_the_source_scan_passes_what_honest_kernels_write(snippet):
     assert integrity.static_scan(snippet) == [], snippet
@@ -638,6 +643,66 @@ def test_the_source_scan_passes_what_honest_kernels_write(snippet):
     "with hook() as torch.nn.functional.gelu:\n    pass",
     "del torch.backends.cudnn.benchmark",
     "torch.backends.cuda.matmul.allow_tf32, x = True, 1",  # a numerics flag, not by a plain assignment
+    "lib.impl('aten::relu', fast_relu)",  # an operator's name
 ])
 def test_the_source_scan_finds_torch_or_triton_rebound_in_any_form(snippet):
     assert "patched_function" in {code for code, _ in integrity.static_scan(snippet)}, snippet
+
+
+MSE_REFERENCE = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, predictions, targets):
+        return torch.mean((predictions - targets) ** 2)
+
+
+def get_inputs():
+    return [torch.rand(16, 300), torch.rand(16, 300)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def _mse_through_the_host(finish: str) -> str:
+    """An MSE whose kernel sums squared differences in parts; `finish` makes the scalar output
+    from `total` (those partial sums read back to Python) and the inputs."""
+    return textwrap.dedent('''
+        import torch
+        import torch.nn as nn
+        import triton
+        import triton.language as tl
+
+
+        @triton.jit
+        def squared_error_parts(p_ptr, t_ptr, part_ptr, n, BLOCK: tl.constexpr):
+            pid = tl.program_id(0)
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
+            m = offs < n
+            d = tl.load(p_ptr + offs, mask=m, other=0.0) - tl.load(t_ptr + offs, mask=m, other=0.0)
+            tl.store(part_ptr + pid, tl.sum(d * d, axis=0))
+
+
+        class ModelNew(nn.Module):
+            def forward(self, predictions, targets):
+                n = predictions.numel()
+                parts = torch.empty(triton.cdiv(n, 1024), device=predictions.device, dtype=torch.float32)
+                squared_error_parts[(parts.numel(),)](predictions, targets, parts, n, BLOCK=1024)
+                total = float(parts.double().sum().item())
+                return FINISH
+        ''').replace("FINISH", finish)
+
+
+def test_a_scalar_finished_on_the_host_is_made_of_the_kernels_work():
+    """`item()` then `torch.tensor(...)`: the data flow follows the value through the host, so the
+    kernel that summed the parts did the output's work; a kernel whose host value the output only
+    pretends to use (times zero) is still a decoy (its counterfactual leaves the output right)."""
+    honest = _mse_through_the_host("torch.tensor(total / n, dtype=torch.float32, device=predictions.device)")
+    r = shared_evaluate(MSE_REFERENCE, honest, cfg())
+    assert r.verdict == "correct" and not r.hacks, (r.verdict, r.hacks, r.error)
+    decoy = _mse_through_the_host("torch.mean((predictions - targets) ** 2) + torch.tensor(0.0 * total)")
+    assert_hack(shared_evaluate(MSE_REFERENCE, decoy, cfg()), "decoy_kernel")

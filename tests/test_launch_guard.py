@@ -180,6 +180,10 @@ def test_constants_may_be_built_from_math_but_not_from_a_rebound_math():
     assert any("reads C" in f for f in triton_source.python_calls(rebound)), triton_source.python_calls(rebound)
     called = honest.replace("math.log(2.0)", "open('x').tell()")
     assert any("reads C" in f for f in triton_source.python_calls(called)), triton_source.python_calls(called)
+    block = honest.replace("A = math.log(2.0)", "A = triton.next_power_of_2(300) // triton.cdiv(7, 2)")
+    assert triton_source.python_calls(block) == []  # Triton's host arithmetic gives plain ints
+    other = honest.replace("A = math.log(2.0)", "A = triton.compile(300)")
+    assert any("reads C" in f for f in triton_source.python_calls(other)), triton_source.python_calls(other)
 
 
 def test_the_source_scan_lets_kernels_read_constants_and_tritons_own_values():

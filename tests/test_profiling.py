@@ -1,5 +1,7 @@
 """drkernel.profiling: strict name matching, share arithmetic weighed by the data flow, CPU behaviour."""
 
+import os
+
 import pytest
 
 from drkernel import profiling
@@ -75,3 +77,12 @@ def test_profile_cuda_none_without_gpu():
     if torch.cuda.is_available():
         pytest.skip("GPU present")
     assert profiling.profile_cuda(lambda: 7) == (7, None)
+
+
+def test_a_profiled_call_leaves_no_profiler_behind(monkeypatch):
+    """Kineto tears CUPTI down after a trace only when `TEARDOWN_CUPTI` says so; otherwise every
+    later launch of the process pays for it, and the twin, whose profiler probe runs before the
+    timing, timed a launch-bound reference 1.37x slower than its copy (bench/profiler_after.py)."""
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    profiling.profile_cuda(lambda: 7)
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
