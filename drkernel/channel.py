@@ -29,11 +29,12 @@ STRAYS_GONE_S = 15.0
 
 
 class Stop(Exception):
-    """A final non-hack verdict."""
+    """A final non-hack verdict; `findings`: what the runner reported beside a failure of the
+    candidate (self-reports, judged as any call's)."""
 
-    def __init__(self, verdict: str, error: str):
+    def __init__(self, verdict: str, error: str, findings: list | None = None):
         super().__init__(error)
-        self.verdict, self.error = verdict, error
+        self.verdict, self.error, self.findings = verdict, error, findings or []
 
 
 class Hacked(Exception):
@@ -195,9 +196,10 @@ def cuda_fault(text: str) -> bool:
 def runner_error(reply: dict, what: str) -> Stop:
     """The runner reported that the candidate raised."""
     err = str(reply.get("error", ""))[:1500]
+    findings = reply.get("findings") if isinstance(reply.get("findings"), list) else None
     if cuda_fault(err):
-        return Stop("runtime_error", "CUDA error: " + err[:600])
-    return Stop("runtime_error", f"{what}: {err}")
+        return Stop("runtime_error", "CUDA error: " + err[:600], findings)
+    return Stop("runtime_error", f"{what}: {err}", findings)
 
 
 def exception_text(prefix: str, exc: BaseException) -> str:

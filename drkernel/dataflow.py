@@ -34,7 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from drkernel.compare import tensors
 
 _BLOCK_WORDS = 1024  # 4 KiB blocks of 32-bit words: where a launch changed a storage, to this grain
-MAX_EVENTS = 50000  # a level-3 forward logs a few thousand; past this the log is marked truncated (no evidence)
+# a level-3 forward logs thousands, a recurrence written with torch ops at KernelBench's length (512
+# steps, 6 layers, 2 directions) about 80,000; past this the log is marked truncated (no evidence)
+MAX_EVENTS = 200_000
 
 # The values a call read back to the host (`item()`, `float(t)`): one pseudo-storage every such read
 # writes into, keeping the earlier ones (a partial write). Ops that make a tensor out of a host

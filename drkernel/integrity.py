@@ -9,8 +9,9 @@ wrapper is still caught.
 from __future__ import annotations
 
 import ast
-import functools
 import builtins
+import contextlib
+import functools
 import os
 import re
 import sys
@@ -211,6 +212,8 @@ def _held_name(node: ast.AST) -> bool:
     """A constant, or a name held in a variable, an attribute or an item of one (`self.names[i]`)."""
     if isinstance(node, ast.Subscript):
         node = node.value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "str" and len(node.args) == 1:
+        node = node.args[0]  # `str(i)`: the text of what a variable holds
     return isinstance(node, (ast.Constant, ast.Name, ast.Attribute))
 
 
@@ -218,14 +221,32 @@ _FORMAT_FIELD = re.compile(r"%[-+ #0-9.]*[a-z]|\{[^{}]*\}")  # `%d`, `{}`, `{0}`
 
 
 def _plain_built_name(node: ast.AST) -> bool:
-    """`f"fc{i}"`, `"weight_ih_l%d" % i`, `"fc" + str(i)`, `"fc{}".format(i)`: text parts of plain
-    identifier characters that begin no private, dunder or frame-reaching name (as open as a name
-    held in a variable, which passes)."""
+    """`f"fc{i}"`, `f"conv{i}_{j}"`, `"weight_ih_l%d" % i`, `name + "_wt"`, `"fc{}".format(i)`: text
+    parts of plain identifier characters, beginning no private or dunder name, that rule out every
+    frame-reaching name (as open as a name held in a variable, which passes)."""
     parts = _text_parts(node)
-    reaching = _REF_ATTRS | _REACH_ATTRS
-    return parts is not None and all(
-        isinstance(p, str) and _FORMAT_FIELD.sub("", p).replace("_", "a").isalnum()
-        and not p.startswith("_") and not any(a.startswith(p) for a in reaching) for p in parts)
+    if parts is None or not all(isinstance(p, str) and _FORMAT_FIELD.sub("", p).replace("_", "a").isalnum()
+                                for p in parts):
+        return False
+    lead = _leading_text(node)
+    pieces = [f for p in parts for f in _FORMAT_FIELD.split(p) if f]
+    return not lead.startswith("_") and all(
+        (lead and not a.startswith(lead)) or any(f not in a for f in pieces) for a in _REF_ATTRS | _REACH_ATTRS)
+
+
+def _leading_text(node: ast.AST) -> str:
+    """The literal text a built name begins with, up to its first field ("" where a field comes first)."""
+    if isinstance(node, ast.JoinedStr):
+        first = node.values[0] if node.values else None
+        return first.value if isinstance(first, ast.Constant) else ""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        left = node.left
+        return left.value if isinstance(left, ast.Constant) else _leading_text(left)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mod) and isinstance(node.left, ast.Constant):
+        return _FORMAT_FIELD.split(node.left.value, 1)[0]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Constant):
+        return _FORMAT_FIELD.split(node.func.value.value, 1)[0]  # "...".format(...)
+    return ""
 
 
 def _text_parts(node: ast.AST) -> list | None:
@@ -274,11 +295,16 @@ def _watched_namespaces() -> list[tuple[str, Any, bool]]:
     mods += [("inspect", inspect), ("linecache", linecache)]  # where Triton reads a kernel's text
     try:
         import triton
+        import triton.runtime.interpreter
+        import triton.runtime.jit
         import triton.testing
-        mods.append(("triton.testing", triton.testing))
-        mods.append(("triton", triton))
+        mods += [("triton.testing", triton.testing), ("triton", triton), ("triton.runtime.jit", triton.runtime.jit),
+                 ("triton.runtime.interpreter", triton.runtime.interpreter)]  # what a launch calls
     except Exception:
         pass
+    with contextlib.suppress(ImportError):
+        import numpy
+        mods.append(("numpy", numpy))  # Triton's interpreter runs a kernel with numpy's functions
     for label, m in mods:
         out.append((label, m, False))
     classes = [("torch.Tensor", torch.Tensor), ("torch.nn.Module", torch.nn.Module)]
@@ -294,7 +320,7 @@ def _watched_namespaces() -> list[tuple[str, Any, bool]]:
             classes.append((f"torch.nn.{name}", obj))
     try:
         import triton.runtime.jit as tjit
-        for name in ("JITFunction", "KernelInterface"):
+        for name in ("JITFunction", "KernelInterface", "TensorWrapper"):
             if hasattr(tjit, name):
                 classes.append((f"triton.runtime.jit.{name}", getattr(tjit, name)))
     except Exception:
@@ -488,6 +514,14 @@ def _sets_default(node: ast.AST) -> bool:
     return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _numerics_name(node.func.attr)
             and len(node.args) == 1 and not node.keywords and isinstance(node.args[0], ast.Constant)
             and node.args[0].value in _DEFAULTS)
+
+
+def python_hooks() -> tuple:
+    """What makes the interpreter call Python on its own between any two lines: the trace and
+    profile functions, and `sys.monitoring`'s tools (Python 3.12 on)."""
+    monitoring = getattr(sys, "monitoring", None)
+    tools = tuple(monitoring.get_tool(i) for i in range(6)) if monitoring is not None else ()
+    return sys.gettrace(), sys.getprofile(), tools
 
 
 class AuditHookGate:

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 _HEADER = struct.Struct(">Q")
-MAX_MESSAGE = 16 * 2**20  # a runner message is a few KB of numbers and names
+MAX_MESSAGE = 32 * 2**20  # a few KB of numbers and names; a checked call's data-flow log up to ~16 MB
 _ALIGN = 512
 _MIN_ARENA = 20 * 2**20  # above the caching allocator's 10 MiB large-buffer threshold
 _ROUND = 2 * 2**20

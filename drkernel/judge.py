@@ -398,7 +398,11 @@ def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False, keep: b
     the call, and the scheduling of the job's processes is as it was."""
     t = _perf()
     before = _scheduling(j)
-    c = call(j.ref, j.runner, seed, mode, signed, keep, perturb)
+    try:
+        c = call(j.ref, j.runner, seed, mode, signed, keep, perturb)
+    except Stop as stop:
+        _findings(j, {"findings": stop.findings})  # what the runner found where the forward failed
+        raise
     j.spend("candidate", t)
     _findings(j, c.reply)
     if c.reply.get("output_in_arena") and not j.ref.ref_aliases:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import builtins
 import collections
+import contextlib
 import importlib
 import linecache
 import os
@@ -63,6 +64,9 @@ class LaunchGuard:
         # what each of Triton's (and math's) modules holds before the candidate: a name added later,
         # or one whose value was replaced (`math.pi` set to an object whose `__bool__` runs torch), is
         # the candidate's
+        for name in _MATH_LIBRARIES:  # imported here, they are Triton's as it was before the candidate
+            with contextlib.suppress(ImportError):
+                importlib.import_module(name)
         self.modules = {name: m for name, m in list(sys.modules.items())
                         if m is not None and (name == "math" or name.split(".")[0] == "triton")}
         self.module_values = {name: dict(vars(m)) for name, m in self.modules.items()}
@@ -95,15 +99,19 @@ class LaunchGuard:
         return f"launch option {', '.join(odd)} of {_name(kernel)} is not one of {', '.join(sorted(self.options))}" \
             if odd else None
 
-    def pin(self) -> None:
+    def pin(self) -> list:
         """The interpreter rewrites a kernel from the lines Python keeps for its file: those are the
-        text the judge read, and a rewrite no launch made is dropped (it is made again from them)."""
+        text the judge read, and a rewrite no launch made is dropped (it is made again from them).
+        Returns what it replaced, for the caller to let go outside the launch (a finalizer of the
+        candidate's would run where the last reference goes)."""
+        released = [linecache.cache.get(self.file)]
         linecache.cache[self.file] = (sum(map(len, self.lines)), None, self.lines, self.file)
         if self.interpreted is None:
-            return
+            return released
         cache = self.interpreted.rewritten_fn
         for fn in [f for f, r in cache.items() if self.is_candidates(f) and r not in self.rewrites]:
-            del cache[fn]
+            released.append(cache.pop(fn))
+        return released
 
     # ---- after a launch ---------------------------------------------------------------------------
 
@@ -317,6 +325,12 @@ def _triton_classes(base: type) -> list[type]:
             found.append(cls)
             todo += cls.__subclasses__()
     return found
+
+
+# Triton's math libraries a kernel may call (`libdevice.erf`), which nothing imports before the
+# candidate does
+_MATH_LIBRARIES = ("triton.language.extra.libdevice", "triton.language.extra.cuda.libdevice",
+                   "triton.language.extra.hip.libdevice")
 
 
 def _submodule(module: types.ModuleType, name: str, value: Any) -> bool:

@@ -160,9 +160,13 @@ class LaunchRecorder:
         self.installed: dict[str, tuple[Any, str]] = {}
         self.originals: tuple = ()  # Triton's own `run`s, the only launchers `_launch` accepts
         self.argument_types: ArgumentTypes | None = None  # `install` knows them
+        self.snapshot: Any = None  # the runner's integrity snapshot, asked before a watched launch
+        self.hooks0: tuple = ()  # `integrity.python_hooks()` before any candidate code
+        self.refusals: list[list[str]] = []  # findings behind the call's refused launches
 
     def install(self) -> dict[str, tuple[Any, str]]:
         self.argument_types = _launch_argument_types()
+        self.hooks0 = integrity.python_hooks()
         owners = []
         for mod, cls in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
             try:
@@ -206,24 +210,42 @@ class LaunchRecorder:
             raise RuntimeError(f"launch of {kernel.fn.__name__} refused: {refused}")
         grid = concrete_grid(grid, bound)
         real = bool(grid) and all(g > 0 for g in grid)
+        name = kernel.fn.__code__.co_name
+        if (self.flow is not None or name in self.perturb) and (problem := self._window_problem()):
+            self.refusals.append(["patched_function", f"launch of {name} refused: {problem}"])
+            raise RuntimeError(f"launch of {kernel.fn.__name__} refused: {problem}")
+        tensors = unwrapped(bound, self.argument_types.wrapper)
+        released = self.guard.pin()  # what it drops goes once this launch is recorded, never inside it
+        collecting = gc.isenabled()
+        gc.disable()  # no finalizer of the candidate's between the checksums and the launch
         if self.flow is not None:
             self.flow.paused += 1  # Triton's interpreter moves its arguments (and checksums run) with torch ops
-        name = kernel.fn.__code__.co_name
-        tensors = unwrapped(bound, self.argument_types.wrapper)
         try:
             with (counterfactual.perturbed(tensors, self.kernels.get(name)) if real and name in self.perturb
                   else contextlib.nullcontext()):
                 before = self._sums(tensors) if real and self.track_changes else None
-                self.guard.pin()
                 ret = orig(kernel, *args, grid=grid, warmup=False, **kwargs)
                 self.guard.seen(kernel)
                 changed = self._changes(before) if before is not None else None
         finally:
             if self.flow is not None:
                 self.flow.paused -= 1
+            if collecting:
+                gc.enable()
         if real:
             self._record(kernel, tensors, grid, changed)
+        del released
         return ret
+
+    def _window_problem(self) -> str | None:
+        """Candidate Python that would run inside a watched launch, where the data-flow log is paused
+        and the launch's checksums and perturbation happen (its torch work would count as the
+        kernel's): a trace, profile or monitoring function, or anything the integrity snapshot
+        watches (torch, Triton's launch path, numpy) replaced since before the candidate."""
+        if integrity.python_hooks() != self.hooks0:
+            return "a trace, profile or monitoring function is set"
+        patched = self.snapshot.patched() if self.snapshot is not None else []
+        return f"{', '.join(patched[:3])} (candidate code inside the launch)" if patched else None
 
     def _refused(self, kernel, bound: dict, kwargs: dict) -> str | None:
         """Why a launch may not run: candidate Python inside Triton's launch (a pre-run hook, any
@@ -281,7 +303,7 @@ class LaunchRecorder:
 
     def begin(self, flow: dataflow.FlowLog | None = None, track_changes: bool = False,
               perturb: frozenset[str] = frozenset()) -> None:
-        self.launches, self.flow, self.perturb = [], flow, perturb
+        self.launches, self.flow, self.perturb, self.refusals = [], flow, perturb, []
         self.track_changes = flow is not None and track_changes
 
     def end(self) -> list[tuple[str, tuple, dict]]:
@@ -359,6 +381,7 @@ class Runner:
             self.recorder.expected_stream = torch.cuda.current_stream(self.device)
         with torch.no_grad():
             self.snapshot = integrity.IntegritySnapshot(extra=self.watched)
+        self.recorder.snapshot = self.snapshot
         self.numerics = integrity.NumericsWatch()
         self.threads0 = integrity.python_threads()
         self.evidence_state = self.describe()
@@ -417,7 +440,7 @@ class Runner:
                 findings = self.integrity("call") if mode == "check" else self._numerics(mode)
         except BaseException as exc:  # noqa: BLE001
             self.recorder.end()
-            return {"error": _describe(exc)}
+            return {"error": _describe(exc), "findings": self.recorder.refusals}
         launches = self.recorder.end()
         self.last_launches = (launches, [self.keys.key(t) for t in compare.tensors(out)])
         reply = {"ms": ms, "launches": len(launches), "kernels": sorted({name for name, _, _ in launches}),
@@ -555,7 +578,7 @@ class Runner:
 _RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "structure", "snapshot", "watched",
                  "threads0", "generators", "job_dir", "candidate", "report", "audit")
 _RECORDER_FIXED = ("candidate_file", "argument_types", "_signatures", "installed", "expected_stream", "originals",
-                   "guard")
+                   "guard", "snapshot", "hooks0")
 
 
 def _source_text(path: str) -> str:

@@ -967,3 +967,26 @@ def test_waiting_for_other_jobs_memory_does_not_use_up_the_references_time():
     assert 50.0 < left < paused
     assert 100.3 <= r.twin.deadline < 110.0
     assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
+
+
+def test_a_recurrence_in_torch_at_kernelbench_length_fits_the_data_flow_log():
+    """KernelBench's level-3 GRU/LSTM problems run 512 steps, 6 layers, 2 directions: an honest
+    candidate with Triton input projections and the recurrence in torch ops (13 a step) logs about
+    80,000 events. The log must hold them (a cut log is `decoy_kernel`) and its wire form fit a
+    runner message."""
+    import torch
+
+    from drkernel import dataflow
+    log = dataflow.FlowLog(dataflow.Keys())
+    h, w, b = torch.zeros(2, 8), torch.randn(8, 24), torch.randn(24)
+    gi, out = torch.randn(512, 2, 24), torch.empty(512, 2, 16)
+    with torch.no_grad(), log:
+        for d in range(12):  # layers x directions
+            for t in range(512):
+                i_r, i_z, i_n = gi[t].chunk(3, 1)
+                h_r, h_z, h_n = torch.addmm(b, h, w).chunk(3, 1)
+                r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+                h = (1 - z) * torch.tanh(i_n + r * h_n) + z * h
+                out[t, :, d % 2 * 8:(d % 2 + 1) * 8] = h
+    assert len(log.events) > 75_000 and not log.truncated
+    assert len(json.dumps([e.to_list() for e in log.events])) < ipc.MAX_MESSAGE // 2

@@ -593,6 +593,7 @@ def test_a_sparse_output_is_a_bad_output_type_not_a_crash_of_the_evidence_code()
     "import bdb", "import cProfile", "import faulthandler",  # debuggers and profilers get frames
     "import pickle", "payload = b'csys\\n_getframe\\n'",  # objects rebuilt from data
     "up = getattr(frame, ('f_' + 'back',)[0])",  # an item of a name built where the call is
+    "up = getattr(fn, f'{x}_globals__')", "up = getattr(tb, x + '_frame')",  # their ends
 ])
 def test_the_source_scan_finds_the_routes_to_the_runners_frames(snippet):
     assert "reference_access" in {code for code, _ in integrity.static_scan(snippet)}, snippet
@@ -629,6 +630,8 @@ def test_the_source_scan_finds_numerics_flags_set(snippet):
     "w = getattr(self.lstm, 'weight_hh_l' + str(layer))",
     "w = getattr(self.lstm, 'bias_ih_l{}'.format(layer))",
     "layer = getattr(self, self.layer_names[i])",  # as open as the name held in a variable
+    "w = getattr(self, f'conv{i}_{j}')",  # its literal beginning rules out every frame-reaching name
+    "w = getattr(self, f'{name}_wt')\nb = getattr(self, name + '_bias')\nm = getattr(self.seq, str(i))",
     "self.allow_tf32 = allow_tf32",  # the module's own setting, handed to tl.dot
     "def relu_kernel(x_ptr):\n    'aten::relu replacement: one block per program.'",  # prose
 ])

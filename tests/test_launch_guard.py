@@ -236,3 +236,35 @@ def test_kernel_settings_and_caches_of_the_candidates_may_not_launch(compiled):
     vars(kernel)["debug"] = None
     vars(kernel)["device_caches"] = collections.defaultdict(lambda: ({}, {}, None, None, None))
     assert "cache" in guard.problem(kernel, {})
+
+
+def test_a_kernel_may_call_tritons_math_libraries_the_candidate_imports(tmp_path):
+    """`from triton.language.extra import libdevice` is a common import of honest kernels (erf,
+    tanh): the guard imports Triton's math libraries before it records Triton's modules, so the
+    candidate's import finds the same module and a kernel may read it."""
+    from triton.runtime.jit import JITFunction
+
+    names = [n for n in list(sys.modules) if n.startswith("triton.language.extra.")]
+    saved = {n: sys.modules.pop(n) for n in names}  # as in a fresh runner: nothing imported them yet
+    text = textwrap.dedent('''
+        import triton.language as tl
+        from triton.language.extra import libdevice
+
+
+        def gelu_kernel(x_ptr):
+            x = tl.load(x_ptr)
+            tl.store(x_ptr, 0.5 * x * (1.0 + libdevice.erf(x * 0.7071067811865476)))
+    ''')
+    path = tmp_path / "cand.py"
+    path.write_text(text)
+    try:
+        guard = launch_guard.LaunchGuard(str(path), text)
+        spec = importlib.util.spec_from_file_location("guard_libdevice", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        guard.kernel_types = guard.kernel_types | {JITFunction}
+        guard.class_attrs[JITFunction] = frozenset(a for t in JITFunction.__mro__ for a in vars(t))
+        assert guard.problem(JITFunction(mod.gelu_kernel), {}) is None
+    finally:
+        sys.modules.update(saved)
+        sys.modules.pop("guard_libdevice", None)
