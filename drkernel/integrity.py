@@ -14,6 +14,7 @@ import contextlib
 import functools
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -518,10 +519,11 @@ def _sets_default(node: ast.AST) -> bool:
 
 def python_hooks() -> tuple:
     """What makes the interpreter call Python on its own between any two lines: the trace and
-    profile functions, and `sys.monitoring`'s tools (Python 3.12 on)."""
+    profile functions, `sys.monitoring`'s tools (Python 3.12 on) and the signal handlers (a timer's
+    runs wherever its signal lands)."""
     monitoring = getattr(sys, "monitoring", None)
     tools = tuple(monitoring.get_tool(i) for i in range(6)) if monitoring is not None else ()
-    return sys.gettrace(), sys.getprofile(), tools
+    return sys.gettrace(), sys.getprofile(), tools, tuple(map(signal.getsignal, signal.valid_signals()))
 
 
 class AuditHookGate:

@@ -243,7 +243,7 @@ class LaunchRecorder:
         kernel's): a trace, profile or monitoring function, or anything the integrity snapshot
         watches (torch, Triton's launch path, numpy) replaced since before the candidate."""
         if integrity.python_hooks() != self.hooks0:
-            return "a trace, profile or monitoring function is set"
+            return "a trace, profile, monitoring function or signal handler is set"
         patched = self.snapshot.patched() if self.snapshot is not None else []
         return f"{', '.join(patched[:3])} (candidate code inside the launch)" if patched else None
 
