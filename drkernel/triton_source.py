@@ -74,7 +74,8 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     bindings = module_bindings(tree)
     python = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
               and n.name not in kernels and not _triton_decorated(n, tl_names)}
-    python |= {name for name, values in bindings.items() if any(not isinstance(v, ast.alias) for v in values)}
+    python |= {name for name, values in bindings.items() if any(not isinstance(v, ast.alias) for v in values)
+               and not all(_triton_attribute(v, tl_names) for v in values)}
     python = (python - kernels - {"*"}) | {"torch"}
     constants = _constants(bindings, tl_names)
     every_def = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -114,6 +115,12 @@ def _drafts_before_use(tree: ast.AST, name: str) -> bool:
     last = max(n.lineno for n in every)
     reads = (n for n in _module_scope(tree) if isinstance(n, ast.Name) and n.id == name)
     return all(n.lineno > last for n in reads)
+
+
+def _triton_attribute(v: ast.AST | None, tl_names: set[str]) -> bool:
+    """`_sigmoid = tl.sigmoid`: a name for one of Triton's own (what it holds at a launch is checked
+    there, `launch_guard`)."""
+    return isinstance(v, ast.Attribute) and isinstance(v.ctx, ast.Load) and dotted(v).split(".")[0] in tl_names
 
 
 def _call_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, outside: set[str]) -> list[str]:

@@ -188,9 +188,12 @@ def test_constants_may_be_built_from_math_but_not_from_a_rebound_math():
 
 def test_the_source_scan_lets_kernels_read_constants_and_tritons_own_values():
     text = ("import triton\nimport triton.language as tl\nA = 1\nB = -2.5\nC = tl.constexpr(4)\nD = tl.float16\n"
+            "SIG = tl.sigmoid\n"  # a name for Triton's own function (what it holds is checked at the launch)
             "CONFIGS = [triton.Config({'BLOCK': 8})]\n@triton.autotune(configs=CONFIGS, key=[])\n@triton.jit\n"
-            "def gemm_kernel(x, BLOCK: tl.constexpr):\n    tl.store(x, (A + B + C) * BLOCK, mask=D is not None)\n")
+            "def gemm_kernel(x, BLOCK: tl.constexpr):\n    tl.store(x, SIG(A + B + C) * BLOCK, mask=D is not None)\n")
     assert triton_source.python_calls(text) == []
+    for other in ("SIG = torch.sigmoid", "SIG = tl.sigmoid\nSIG = lambda v: v"):
+        assert any("calls SIG" in f for f in triton_source.python_calls(text.replace("SIG = tl.sigmoid", other)))
 
 
 def test_a_kernel_from_another_file_than_the_candidates_may_not_launch(compiled, tmp_path):
