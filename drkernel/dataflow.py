@@ -122,6 +122,19 @@ def _mutated(func, args, kwargs) -> list[tuple[torch.Tensor, bool]]:
     return out
 
 
+# what Triton's interpreter does to a launch's arguments: host views of their storages, and storage
+# copies there and back (bytes to bytes); a compiled launch runs no torch op at all
+_MOVES = frozenset({"aten::empty", "aten::new_empty", "aten::set_", "aten::detach", "aten::slice"})
+
+
+def _argument_move(func, args) -> bool:
+    """Whether an op run inside a launch is one of the interpreter's argument moves."""
+    name = func._schema.name
+    if name == "aten::copy_":
+        return all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in args[:2])
+    return name in _MOVES
+
+
 def _is_view(func) -> bool:
     """A view (its output shares its input's storage, nothing read or written): storages are keyed
     by base, so it changes no dependency and is not logged."""
@@ -138,6 +151,7 @@ class FlowLog(TorchDispatchMode):
         self.events: list[Event] = []
         self.truncated = False
         self.paused = 0  # inside a launch (Triton's interpreter copies its arguments with torch ops)
+        self.inside: list[str] = []  # ops inside a launch that are no such copy: torch's work credited to it
         self.watch = watch  # asked before every op: what differs from how the evaluator set things
         self.changed: list[str] = []  # its first answer that named something
 
@@ -153,6 +167,8 @@ class FlowLog(TorchDispatchMode):
             self.changed = self.watch()
         out = func(*args, **kwargs)
         if self.paused:
+            if not _argument_move(func, args):
+                self.inside.append(func._schema.name)
             return out
         if func._schema.name in _LIFTED:  # an alias of a tensor torch.tensor() just made from host values
             self._add(Event(name="lift_fresh", reads=[HOST], fresh=[self.keys.key(t) for t in tensors(out)]))
@@ -211,7 +227,8 @@ def block_sums(t: torch.Tensor) -> torch.Tensor:
 
 def changed_span(before: torch.Tensor, after: torch.Tensor, nbytes: int) -> tuple[int, int] | None:
     """(first byte, end byte) of the blocks whose checksums differ, or None."""
-    idx = (before != after).nonzero().flatten().tolist()
+    with unobserved():
+        idx = (before != after).nonzero().flatten().tolist()
     if not idx:
         return None
     block = _BLOCK_WORDS * 4

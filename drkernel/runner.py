@@ -162,11 +162,13 @@ class LaunchRecorder:
         self.argument_types: ArgumentTypes | None = None  # `install` knows them
         self.snapshot: Any = None  # the runner's integrity snapshot, asked before a watched launch
         self.hooks0: tuple = ()  # `integrity.python_hooks()` before any candidate code
+        self.threads0: set[int] = set()  # the process's Python threads before any candidate code
         self.refusals: list[list[str]] = []  # findings behind the call's refused launches
 
     def install(self) -> dict[str, tuple[Any, str]]:
         self.argument_types = _launch_argument_types()
         self.hooks0 = integrity.python_hooks()
+        self.threads0 = integrity.python_threads()
         owners = []
         for mod, cls in (("triton.runtime.jit", "JITFunction"), ("triton.runtime.interpreter", "InterpretedFunction")):
             try:
@@ -211,9 +213,9 @@ class LaunchRecorder:
         grid = concrete_grid(grid, bound)
         real = bool(grid) and all(g > 0 for g in grid)
         name = kernel.fn.__code__.co_name
-        if (self.flow is not None or name in self.perturb) and (problem := self._window_problem()):
-            self.refusals.append(["patched_function", f"launch of {name} refused: {problem}"])
-            raise RuntimeError(f"launch of {kernel.fn.__name__} refused: {problem}")
+        if (self.flow is not None or name in self.perturb) and (found := self._window_problem()):
+            self.refusals.append([found[0], f"launch of {name} refused: {found[1]}"])
+            raise RuntimeError(f"launch of {kernel.fn.__name__} refused: {found[1]}")
         tensors = unwrapped(bound, self.argument_types.wrapper)
         released = self.guard.pin()  # what it drops goes once this launch is recorded, never inside it
         collecting = gc.isenabled()
@@ -232,20 +234,28 @@ class LaunchRecorder:
                 self.flow.paused -= 1
             if collecting:
                 gc.enable()
+        if self.flow is not None and self.flow.inside:
+            problem = f"torch ran inside it ({', '.join(sorted(set(self.flow.inside))[:3])})"
+            self.flow.inside = []
+            self.refusals.append(["patched_function", f"launch of {name} refused: {problem}"])
+            raise RuntimeError(f"launch of {kernel.fn.__name__} refused: {problem}")
         if real:
             self._record(kernel, tensors, grid, changed)
         del released
         return ret
 
-    def _window_problem(self) -> str | None:
+    def _window_problem(self) -> tuple[str, str] | None:
         """Candidate Python that would run inside a watched launch, where the data-flow log is paused
         and the launch's checksums and perturbation happen (its torch work would count as the
-        kernel's): a trace, profile or monitoring function, or anything the integrity snapshot
-        watches (torch, Triton's launch path, numpy) replaced since before the candidate."""
+        kernel's): a trace, profile or monitoring function, a thread, or anything the integrity
+        snapshot watches (torch, Triton's launch path, numpy) replaced since before the candidate.
+        Torch work that gets there another way is seen by the data-flow log (`FlowLog.inside`)."""
         if integrity.python_hooks() != self.hooks0:
-            return "a trace, profile, monitoring function or signal handler is set"
+            return "patched_function", "a trace, profile, monitoring function or signal handler is set"
+        if integrity.python_threads() - self.threads0:  # its torch work no dispatch mode of this thread sees
+            return "thread_spawned", "a thread of the candidate's is running"
         patched = self.snapshot.patched() if self.snapshot is not None else []
-        return f"{', '.join(patched[:3])} (candidate code inside the launch)" if patched else None
+        return ("patched_function", f"{', '.join(patched[:3])} (candidate code inside the launch)") if patched else None
 
     def _refused(self, kernel, bound: dict, kwargs: dict) -> str | None:
         """Why a launch may not run: candidate Python inside Triton's launch (a pre-run hook, any
@@ -578,7 +588,7 @@ class Runner:
 _RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "structure", "snapshot", "watched",
                  "threads0", "generators", "job_dir", "candidate", "report", "audit")
 _RECORDER_FIXED = ("candidate_file", "argument_types", "_signatures", "installed", "expected_stream", "originals",
-                   "guard", "snapshot", "hooks0")
+                   "guard", "snapshot", "hooks0", "threads0")
 
 
 def _source_text(path: str) -> str:
