@@ -12,6 +12,7 @@ import ast
 import builtins
 import contextlib
 import functools
+import importlib
 import os
 import re
 import signal
@@ -152,6 +153,8 @@ def _attribute_findings(node: ast.Attribute) -> list[tuple[str, str]]:
         out.append(("patched_function", f"{d} (candidate Python inside Triton's launch)"))
     if d in ("sys.settrace", "sys.setprofile", "threading.settrace", "threading.setprofile"):
         out.append(("global_state_changed", d))
+    if node.attr in ("fork", "_fork") and d.split(".")[-2:-1] == ["jit"]:  # a task on torch's own threads
+        out.append(("thread_spawned", d))
     if d.startswith(("torch.library", "torch._C._dispatch", "torch.overrides", "torch.utils._python_dispatch",
                      "builtins.", "__builtins__")):
         out.append(("patched_function", d))
@@ -301,6 +304,9 @@ def _watched_namespaces() -> list[tuple[str, Any, bool]]:
         import triton.testing
         mods += [("triton.testing", triton.testing), ("triton", triton), ("triton.runtime.jit", triton.runtime.jit),
                  ("triton.runtime.interpreter", triton.runtime.interpreter)]  # what a launch calls
+        # (not triton.language.core: the interpreter leaves its own functions there after some launches)
+        with contextlib.suppress(ImportError):
+            mods.append(("triton._C.libtriton.interpreter", importlib.import_module("triton._C.libtriton.interpreter")))
     except Exception:
         pass
     with contextlib.suppress(ImportError):
@@ -326,14 +332,10 @@ def _watched_namespaces() -> list[tuple[str, Any, bool]]:
                 classes.append((f"triton.runtime.jit.{name}", getattr(tjit, name)))
     except Exception:
         pass
-    try:
+    with contextlib.suppress(ImportError):
         import triton.runtime.interpreter as tint
-        if hasattr(tint, "InterpretedFunction"):
-            classes.append(("triton.runtime.interpreter.InterpretedFunction", tint.InterpretedFunction))
-        if hasattr(tint, "GridExecutor"):
-            classes.append(("triton.runtime.interpreter.GridExecutor", tint.GridExecutor))
-    except Exception:
-        pass
+        classes += [(f"{tint.__name__}.{name}", c) for name, c in vars(tint).items()
+                    if isinstance(c, type) and c.__module__ == tint.__name__]  # the classes a launch runs there
     try:
         from triton.runtime.autotuner import Autotuner
         classes.append(("triton.runtime.autotuner.Autotuner", Autotuner))

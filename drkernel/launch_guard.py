@@ -89,7 +89,21 @@ class LaunchGuard:
         seen: set[int] = set()
         kernels = [kernel, *(v for v in arguments.values() if type(v) in self.kernel_types)]
         return (next(filter(None, (self._object_problem(k, seen) for k in kernels)), None)
-                or self._hooks_problem() or self._built_problem(kernel))
+                or self._hooks_problem() or self._built_problem(kernel) or self._looked_over(kernel))
+
+    def _looked_over(self, kernel: Any) -> str | None:
+        """Triton's interpreter looks over every global of a kernel's module inside its launch
+        (`inspect.ismodule`, then `==` with its own modules): a value whose class answers
+        `__class__` or every attribute read in Python, or a module of a class with a Python `==`,
+        would run the candidate's Python there."""
+        if self.interpreted is None or type(kernel) is not self.interpreted:
+            return None
+        for name, v in list(kernel.fn.__globals__.items()):
+            hooks = ("__class__", "__getattribute__", "__eq__") if isinstance(v, types.ModuleType) else \
+                ("__class__", "__getattribute__")
+            if any(_python_slot(vars(c).get(h)) for c in type(v).__mro__ for h in hooks):
+                return f"{_name(kernel)}'s module holds {name}, whose class runs Python when Triton's interpreter looks at it"
+        return None
 
     def options_problem(self, kernel: Any, kwargs: dict) -> str | None:
         """Keywords of a launch or compile that are neither the kernel's parameters nor `self.options`."""
@@ -325,6 +339,13 @@ def _triton_classes(base: type) -> list[type]:
             found.append(cls)
             todo += cls.__subclasses__()
     return found
+
+
+def _python_slot(v: Any) -> bool:
+    """A class attribute Python code stands behind (not one of the interpreter's own C slots)."""
+    return v is not None and not isinstance(v, (types.WrapperDescriptorType, types.MethodDescriptorType,
+                                                types.GetSetDescriptorType, types.MemberDescriptorType,
+                                                types.BuiltinFunctionType))
 
 
 # Triton's math libraries a kernel may call (`libdevice.erf`), which nothing imports before the

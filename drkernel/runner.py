@@ -36,7 +36,7 @@ import shutil
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 from drkernel import (channel, compare, confine, counterfactual, dataflow, integrity, ipc, launch_guard, launch_pattern,
                       profiling, triton_source)
@@ -214,8 +214,7 @@ class LaunchRecorder:
         real = bool(grid) and all(g > 0 for g in grid)
         name = kernel.fn.__code__.co_name
         if (self.flow is not None or name in self.perturb) and (found := self._window_problem()):
-            self.refusals.append([found[0], f"launch of {name} refused: {found[1]}"])
-            raise RuntimeError(f"launch of {kernel.fn.__name__} refused: {found[1]}")
+            self._refuse(name, *found)
         tensors = unwrapped(bound, self.argument_types.wrapper)
         released = self.guard.pin()  # what it drops goes once this launch is recorded, never inside it
         collecting = gc.isenabled()
@@ -235,14 +234,17 @@ class LaunchRecorder:
             if collecting:
                 gc.enable()
         if self.flow is not None and self.flow.inside:
-            problem = f"torch ran inside it ({', '.join(sorted(set(self.flow.inside))[:3])})"
-            self.flow.inside = []
-            self.refusals.append(["patched_function", f"launch of {name} refused: {problem}"])
-            raise RuntimeError(f"launch of {kernel.fn.__name__} refused: {problem}")
+            ops, self.flow.inside = sorted(set(self.flow.inside))[:3], []
+            self._refuse(name, "patched_function", f"torch ran inside it ({', '.join(ops)})")
         if real:
             self._record(kernel, tensors, grid, changed)
         del released
         return ret
+
+    def _refuse(self, name: str, code: str, problem: str) -> NoReturn:
+        """A watched launch that may not run: the forward fails, and the runner says why beside it."""
+        self.refusals.append([code, f"launch of {name} refused: {problem}"])
+        raise RuntimeError(f"launch of {name} refused: {problem}")
 
     def _window_problem(self) -> tuple[str, str] | None:
         """Candidate Python that would run inside a watched launch, where the data-flow log is paused

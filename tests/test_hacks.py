@@ -599,6 +599,13 @@ def test_the_source_scan_finds_the_routes_to_the_runners_frames(snippet):
     assert "reference_access" in {code for code, _ in integrity.static_scan(snippet)}, snippet
 
 
+@pytest.mark.parametrize("snippet", ["future = torch.jit.fork(serve, slots)", "f = torch.jit._fork(serve)"])
+def test_the_source_scan_finds_tasks_on_torchs_own_threads(snippet):
+    """A scripted function forked onto torch's inter-op pool runs on a native thread that no Python
+    thread check sees (a red-team candidate did the output's work there, inside a launch)."""
+    assert "thread_spawned" in {code for code, _ in integrity.static_scan(snippet)}, snippet
+
+
 @pytest.mark.parametrize("snippet", [
     "torch.backends.cuda.matmul.allow_tf32 = True",
     "mm = torch.backends.cuda.matmul\nmm.allow_fp16_reduced_precision_reduction = True",
