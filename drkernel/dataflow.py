@@ -17,6 +17,10 @@ identity), each launch also says which of its tensor arguments' storages it *cha
 an output torch computed) is no write, and a write that misses the output's bytes (a word just
 past the view torch filled) does not make the output need it.
 
+Inside a launch the log is paused (Triton's interpreter moves the arguments with torch ops there),
+but an op that is none of those moves is noted (`FlowLog.inside`): torch's work there would count as
+the launch's, and the runner refuses the launch.
+
 Runner side: `FlowLog` (a TorchDispatchMode) and `Event`s; judge side: `needed_launches`.
 Storages are keyed by their data pointer (views share their base's key); tensors inside the
 judge's arena (the inputs) are keyed by their own start, one key per input.

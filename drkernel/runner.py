@@ -345,7 +345,6 @@ class Runner:
         self.audit: integrity.AuditHookGate | None = None
         self.watched: dict[str, tuple[Any, str]] = {}
         self.evidence_state = ""
-        self.threads0: set[int] = set()
         self.prev_out: list = []  # the last checked call's output storages (`_kept_storages`)
         self.generators: list = []  # torch's default generators, bound before any candidate code
         self.null: _NullForward | None = None  # the calibration's stand-in, made once (its copy is no call's cost)
@@ -395,7 +394,6 @@ class Runner:
             self.snapshot = integrity.IntegritySnapshot(extra=self.watched)
         self.recorder.snapshot = self.snapshot
         self.numerics = integrity.NumericsWatch()
-        self.threads0 = integrity.python_threads()
         self.evidence_state = self.describe()
         _forget_harness_modules()
         return {"ok": True, "confinement": self.report.to_dict(), "evidence_state": self.evidence_state}
@@ -550,7 +548,7 @@ class Runner:
         if self.audit.refused:
             found.append(["patched_function", f"{where}: {self.audit.refused} audit hook(s) added (refused: a hook "
                                               "runs inside the runner's own steps)"])
-        threads = integrity.python_threads() - self.threads0
+        threads = integrity.python_threads() - self.recorder.threads0
         if threads:
             found.append(["thread_spawned", f"{where}: {len(threads)} new Python thread(s) alive"])
         return found
@@ -588,7 +586,7 @@ class Runner:
 # what stays the same object from the integrity snapshot on (per-call state such as the model,
 # the launch names or the data-flow log is replaced as it should be)
 _RUNNER_FIXED = ("torch", "device", "recorder", "keys", "inputs", "slots", "structure", "snapshot", "watched",
-                 "threads0", "generators", "job_dir", "candidate", "report", "audit")
+                 "generators", "job_dir", "candidate", "report", "audit")
 _RECORDER_FIXED = ("candidate_file", "argument_types", "_signatures", "installed", "expected_stream", "originals",
                    "guard", "snapshot", "hooks0", "threads0")
 
