@@ -66,7 +66,7 @@ def test_ablation_prints_its_headline_numbers_as_a_table(capsys):
         ["2.500", "0.700", "0.990", "0.250"]
 
 
-@pytest.mark.parametrize("script", ["hacks.py", "evaluator.py", "ref_self.py"])
+@pytest.mark.parametrize("script", ["hacks.py", "evaluator.py", "ref_self.py", "profiler_after.py"])
 def test_a_gpu_benchmark_on_a_machine_without_one_is_one_line_and_no_json(script, tmp_path):
     import subprocess
 
