@@ -15,8 +15,9 @@ one storage that overlapping arguments span: inputs side by side in the judge's 
 A range the launch only reads is put back after it, exactly (powers of two, or from a copy). A
 range it reads and writes keeps what the launch wrote; every element the launch left as it found
 it gets its old value back from a copy. A range it only writes is left alone: its old content is
-not the launch's input. Left alone too: a float range holding a NaN or a finite value that the
-scaling could overflow (it would not come back bit for bit), and one reached through two dtypes.
+not the launch's input. A float range holding a NaN or a finite value that the scaling could
+overflow (it would not come back bit for bit), and one reached through two dtypes, have their bytes
+rolled instead.
 """
 
 from __future__ import annotations
@@ -102,18 +103,26 @@ def _scalable(flat: torch.Tensor) -> bool:
     return True
 
 
-def _region(tensors: list[torch.Tensor], lo: int, hi: int, written: bool, phase: int) -> _Region | None:
-    """The perturbation of bytes `lo` to `hi` of the tensors' one storage, or None where they are
-    left alone."""
+def _region(tensors: list[torch.Tensor], lo: int, hi: int, written: bool, phase: int) -> _Region:
+    """The perturbation of bytes `lo` to `hi` of the tensors' one storage: scaled where one float
+    dtype reads it and scaling comes back exactly, else its bytes rolled (a range reached through
+    two dtypes, or holding a NaN, is perturbed too: left alone, a kernel could be handed its data
+    unperturbed under a second dtype)."""
     t = tensors[0]
     size = t.element_size()
     if len({x.dtype for x in tensors}) > 1 or t.is_complex() or (size < 2 and t.is_floating_point()) \
             or lo % size or hi % size:
-        return None
+        return _rolled(t, lo, hi, written)
     flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), lo // size, ((hi - lo) // size,), (1,))
     if not t.is_floating_point():
         return _Region(flat, written, shift=flat.numel() // 2)
-    return _Region(flat, written, phase=phase) if _scalable(flat) else None
+    return _Region(flat, written, phase=phase) if _scalable(flat) else _rolled(t, lo, hi, written)
+
+
+def _rolled(t: torch.Tensor, lo: int, hi: int, written: bool) -> _Region:
+    """Bytes `lo` to `hi` of `t`'s storage, rolled by half their length."""
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), lo, (hi - lo,), (1,))
+    return _Region(flat, written, shift=flat.numel() // 2)
 
 
 def _ranges(members: list[tuple[str, torch.Tensor]]) -> list[tuple[int, int, list[tuple[str, torch.Tensor]]]]:
@@ -140,9 +149,7 @@ def _regions(bound: dict, kernel: Kernel | None) -> list[_Region]:
     for members in storages.values():
         for lo, hi, group in _ranges(members):
             if any(p in read for p, _ in group):
-                region = _region([t for _, t in group], lo, hi, any(p in written for p, _ in group), len(out))
-                if region is not None:
-                    out.append(region)
+                out.append(_region([t for _, t in group], lo, hi, any(p in written for p, _ in group), len(out)))
     return out
 
 

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from drkernel.compare import tensors
 
 _BLOCK_WORDS = 1024  # 4 KiB blocks of 32-bit words: where a launch changed a storage, to this grain
+_CHUNK_BLOCKS = 4096  # blocks weighted at once (a 16 MiB temporary, whatever the storage's size)
 # a level-3 forward logs thousands, a recurrence written with torch ops at KernelBench's length (512
 # steps, 6 layers, 2 directions) about 80,000; past this the log is marked truncated (no evidence)
 MAX_EVENTS = 200_000
@@ -216,17 +217,24 @@ def unobserved() -> Iterator[None]:
 
 
 def block_sums(t: torch.Tensor) -> torch.Tensor:
-    """A checksum per 4 KiB block of `t`'s whole storage (32-bit words summed in 32 bits; the last
-    entries cover the tail), without copying it: compared before and after a launch, they say
-    whether and where it changed the storage. A write of the values already there changes none."""
+    """Two checksums per 4 KiB block of `t`'s whole storage, side by side: its 32-bit words summed,
+    and summed weighted by their place in the block (values moved within a block, a sort or a
+    reversal in place, change that one); the tail (and its last bytes) likewise. Taken without copying the
+    storage: compared before and after a launch, they say whether and where it changed the storage.
+    A write of the values already there changes none."""
     with unobserved():
         st = t.untyped_storage()
         nbytes = st.nbytes()
         raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (nbytes,), (1,))
         words = raw[: nbytes // 4 * 4].view(torch.int32)
         n = words.numel() // _BLOCK_WORDS * _BLOCK_WORDS
-        return torch.cat([words[:n].view(-1, _BLOCK_WORDS).sum(1, dtype=torch.int32),
-                          words[n:].sum(dtype=torch.int32).view(1), raw[nbytes // 4 * 4:].sum(dtype=torch.int32).view(1)])
+        blocks = words[:n].view(-1, _BLOCK_WORDS).split(_CHUNK_BLOCKS)  # products of one chunk at a time
+        place = torch.arange(1, _BLOCK_WORDS + 1, dtype=torch.int32, device=t.device)
+        sums = [torch.stack([b.sum(1, dtype=torch.int32), (b * place).sum(1, dtype=torch.int32)], 1).flatten()
+                for b in blocks]
+        tail = words[n:]
+        plain = tail.sum(dtype=torch.int32) + raw[nbytes // 4 * 4:].sum(dtype=torch.int32)  # and the last bytes
+        return torch.cat([*sums, plain.view(1), (tail * place[: tail.numel()]).sum(dtype=torch.int32).view(1)])
 
 
 def changed_span(before: torch.Tensor, after: torch.Tensor, nbytes: int) -> tuple[int, int] | None:
@@ -235,8 +243,8 @@ def changed_span(before: torch.Tensor, after: torch.Tensor, nbytes: int) -> tupl
         idx = (before != after).nonzero().flatten().tolist()
     if not idx:
         return None
-    block = _BLOCK_WORDS * 4
-    return min(idx[0] * block, nbytes), min((idx[-1] + 1) * block, nbytes)
+    block = _BLOCK_WORDS * 4  # two checksums a block (`block_sums`); the tail's two map to its last block
+    return min(idx[0] // 2 * block, nbytes), min((idx[-1] // 2 + 1) * block, nbytes)
 
 
 def needed_launches(events: list[Event], output_keys: list[int], stores: dict[str, frozenset[str]],

@@ -71,17 +71,21 @@ def test_a_strided_view_is_perturbed_through_its_storage_and_restored():
     assert torch.equal(base, b0)
 
 
-def test_storages_that_would_not_come_back_bit_for_bit_are_left_alone():
-    """Two dtypes on one range, a finite value scaling would overflow, a NaN (its payload): untouched."""
+def test_storages_that_scaling_would_not_bring_back_have_their_bytes_rolled():
+    """Two dtypes on one range, a finite value scaling would overflow, a NaN (its payload): not
+    scaled but rolled as bytes inside the launch (left alone, a kernel handed its input under a
+    second dtype would read it unperturbed), and back bit for bit after it."""
     raw = torch.randn(8)
     huge = torch.tensor([1.0, 3e38])
     nan = torch.tensor([1.0, float("nan")])
     saved = [raw.clone(), huge.clone(), nan.clone()]
     with perturbed({"x_ptr": raw, "idx_ptr": raw.view(torch.int32)}, KERNEL):
-        assert torch.equal(raw, saved[0])
+        assert torch.equal(raw, saved[0].roll(4))  # 32 bytes rolled by 16: four floats
+    assert torch.equal(_bits(raw), _bits(saved[0]))
     for t, t0 in zip((huge, nan), saved[1:]):
         with perturbed({"x_ptr": t}, KERNEL):
-            assert torch.equal(_bits(t), _bits(t0))
+            assert torch.equal(_bits(t), _bits(t0.roll(1)))
+        assert torch.equal(_bits(t), _bits(t0))
 
 
 def test_arguments_side_by_side_in_one_storage_are_perturbed_apart():

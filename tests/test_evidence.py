@@ -502,6 +502,9 @@ def test_a_launch_that_changed_nothing_or_missed_the_output_does_not_make_it_nee
     buf[4999] += 1.0
     lo, hi = dataflow.changed_span(before, dataflow.block_sums(buf), buf.untyped_storage().nbytes())
     assert lo <= 4999 * 4 < hi <= 5000 * 4 and lo >= 4096
+    before = dataflow.block_sums(buf)
+    buf[1030:1040] = buf[1030:1040].flip(0).clone()  # the same values, moved within one block
+    assert dataflow.changed_span(before, dataflow.block_sums(buf), buf.untyped_storage().nbytes()) == (4096, 8192)
 
     def launch(changed):
         return dataflow.Event("k", kernel="k", args=[("out_ptr", 9)], changed=changed)

@@ -716,3 +716,41 @@ def test_a_scalar_finished_on_the_host_is_made_of_the_kernels_work():
     assert r.verdict == "correct" and not r.hacks, (r.verdict, r.hacks, r.error)
     decoy = _mse_through_the_host("torch.mean((predictions - targets) ** 2) + torch.tensor(0.0 * total)")
     assert_hack(shared_evaluate(MSE_REFERENCE, decoy, cfg()), "decoy_kernel")
+
+
+FLIP_REFERENCE = MSE_REFERENCE.replace("return torch.mean((predictions - targets) ** 2)", "return predictions.flip(-1)") \
+    .replace("torch.rand(16, 300), torch.rand(16, 300)", "torch.rand(16, 256), torch.rand(16, 256)")  # 4 rows a block
+
+FLIP_IN_PLACE = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def reverse_rows_in_place(x_ptr, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        left = tl.arange(0, BLOCK)
+        keep = left < n_cols // 2
+        right = n_cols - 1 - left
+        a = tl.load(x_ptr + row * n_cols + left, mask=keep)
+        b = tl.load(x_ptr + row * n_cols + right, mask=keep)
+        tl.store(x_ptr + row * n_cols + left, b, mask=keep)
+        tl.store(x_ptr + row * n_cols + right, a, mask=keep)
+
+
+    class ModelNew(nn.Module):
+        def forward(self, predictions, targets):
+            out = predictions.clone()
+            reverse_rows_in_place[(out.shape[0],)](out, out.shape[1], BLOCK=256)
+            return out
+    ''')
+
+
+def test_a_kernel_that_moves_values_in_place_wrote_what_it_moved():
+    """A reversal in place (the same values, moved within a 4 KiB block) is a write: the launch's
+    checksums weigh each word by its place, so on the signed trials the kernel made the output."""
+    assert "predictions.flip(-1)" in FLIP_REFERENCE and "rand(16, 256)" in FLIP_REFERENCE
+    r = shared_evaluate(FLIP_REFERENCE, FLIP_IN_PLACE, cfg())
+    assert r.verdict == "correct" and not r.hacks, (r.verdict, r.hacks, r.error)
