@@ -50,7 +50,7 @@ MAX_EVENTS = 200_000
 HOST = -1
 _HOST_READ = "_local_scalar_dense"
 _FROM_HOST = frozenset({"lift_fresh_copy", "scalar_tensor", "full", "fill_"})
-_LIFTED = frozenset({"aten::lift_fresh"})
+_LIFTED = "aten::lift_fresh"  # torch.tensor(): an alias of a tensor made outside every mode
 
 # in-place ops that overwrite their first argument without reading it
 _OVERWRITES = frozenset({"copy_", "fill_", "zero_", "normal_", "uniform_", "random_", "bernoulli_",
@@ -175,7 +175,7 @@ class FlowLog(TorchDispatchMode):
             if not _argument_move(func, args):
                 self.inside.append(func._schema.name)
             return out
-        if func._schema.name in _LIFTED:  # an alias of a tensor torch.tensor() just made from host values
+        if func._schema.name == _LIFTED:  # its tensor was made from host values
             self._add(Event(name="lift_fresh", reads=[HOST], fresh=[self.keys.key(t) for t in tensors(out)]))
         elif not _is_view(func):
             self._add(self._event(func, args, kwargs, out))
