@@ -263,6 +263,19 @@ _PIDFD_SEND_SIGNAL = {"x86_64": 424, "aarch64": 424}  # a /proc/<pid> directory 
 # shared memory (held without a mapping or a descriptor, unseen by the memory limit: shmget), new
 # namespaces (unshare, setns)
 _OUTLIVING = {"x86_64": (248, 249, 250, 29, 272, 308), "aarch64": (217, 218, 219, 194, 97, 268)}
+# A file's mode, owner, times and extended attributes: Landlock has no right for them and they need
+# only ownership, so a runner of the trainer's uid could lock every other job out of its directory
+# (or of the temporary root) or set a setuid bit, anywhere. chmod, fchmod, fchmodat, fchmodat2;
+# chown, fchown, lchown, fchownat; utime, utimes, futimesat, utimensat; set/remove xattr (path,
+# link, descriptor, and the *at forms)
+_METADATA = {"x86_64": (90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280,
+                        188, 189, 190, 197, 198, 199, 463, 466),
+             "aarch64": (52, 53, 452, 55, 54, 88, 5, 6, 7, 14, 15, 16, 463, 466)}
+# socket(): only internet families, which the runner's own network namespace and Landlock's TCP
+# rules close. A Unix socket bound to a path on the host (a container runtime's, D-Bus, an agent's)
+# is reached by connect(), which no Landlock right covers, and vsock leaves the namespace
+_SOCKET = {"x86_64": 41, "aarch64": 198}
+_SOCKET_FAMILIES = (2, 10)  # AF_INET, AF_INET6 (socketpair, a separate call, stays allowed)
 _ALLOW, _EPERM = 0x7FFF0000, 0x00050001  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
 _LD, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
 
@@ -275,34 +288,49 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int,
-                         denied: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
+def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int, denied: tuple[int, ...] = (),
+                         only: dict[int, tuple[int, tuple[int, ...]]] | None = None) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) (a jump's offsets count from the next instruction): another
     architecture's calls and x32 ones refused; `denied` calls refused; each guarded call allowed
-    only when its `which` argument (if any) says a process and its pid argument is 0 or `pid`;
+    only when its `which` argument (if any) says a process and its pid argument is 0 or `pid`; each
+    call in `only` ({call: (argument, allowed values)}) allowed only with one of those values;
     everything else allowed. Arguments are read by their low 32 bits (offset 16 + 8 i of
     `struct seccomp_data`)."""
     head = [(_LD, 0, 0, 4), (_JEQ, 1, 0, arch), (_RET, 0, 0, _EPERM),
             (_LD, 0, 0, 0), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _EPERM)]
-    # first: each denied call jumps past the rest of them, the guarded ones and the final allow,
-    # to the refusal after it
-    refuse = [(_JEQ, len(denied) - k + len(guarded), 0, nr) for k, nr in enumerate(denied)]
-    blocks: list[tuple[int, int, int, int]] = []
-    dispatch = []
-    for j, (nr, (pid_arg, which_arg, which)) in enumerate(guarded.items()):
-        # from this jump (j-th of len(guarded)), past the rest of them, the final allow and the refusal
-        dispatch.append((_JEQ, len(guarded) - j + 1 + len(blocks), 0, nr))
-        if which_arg is not None:
-            blocks += [(_LD, 0, 0, 16 + 8 * which_arg), (_JEQ, 0, 3, which)]
-        blocks += [(_LD, 0, 0, 16 + 8 * pid_arg), (_JEQ, 2, 0, 0), (_JEQ, 1, 0, pid),
-                   (_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)]
-    return head + refuse + dispatch + [(_RET, 0, 0, _ALLOW), (_RET, 0, 0, _EPERM)] + blocks
+    checks = [_pid_check(pid, *rule) for rule in guarded.values()]
+    checks += [_value_check(*rule) for rule in (only or {}).values()]
+    calls = [*guarded, *(only or {})]
+    # first: each denied call jumps past the rest of them, the dispatch and the final allow, to the
+    # refusal after it
+    refuse = [(_JEQ, len(denied) - k + len(calls), 0, nr) for k, nr in enumerate(denied)]
+    # from the j-th dispatch jump past the rest of them, the final allow, the refusal and the checks before its own
+    dispatch = [(_JEQ, len(calls) - j + 1 + sum(map(len, checks[:j])), 0, nr) for j, nr in enumerate(calls)]
+    return head + refuse + dispatch + [(_RET, 0, 0, _ALLOW), (_RET, 0, 0, _EPERM)] + [i for c in checks for i in c]
+
+
+def _pid_check(pid: int, pid_arg: int, which_arg: int | None, which: int) -> list[tuple[int, int, int, int]]:
+    """Allow when the `which` argument (if any) says a process and the pid argument is 0 or `pid`."""
+    block = [(_LD, 0, 0, 16 + 8 * which_arg), (_JEQ, 0, 3, which)] if which_arg is not None else []
+    return block + [(_LD, 0, 0, 16 + 8 * pid_arg), (_JEQ, 2, 0, 0), (_JEQ, 1, 0, pid),
+                    (_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)]
+
+
+def _value_check(arg: int, values: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """Allow when argument `arg` is one of `values`."""
+    return [(_LD, 0, 0, 16 + 8 * arg), *[(_JEQ, len(values) - i, 0, v) for i, v in enumerate(values)],
+            (_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)]
 
 
 def refused_calls(machine: str, fixed_cores: bool = False) -> tuple[int, ...]:
     """The calls the filter refuses outright on `machine`."""
-    return (_IO_URING_SETUP[machine], _PIDFD_SEND_SIGNAL[machine], *_OUTLIVING[machine],
+    return (_IO_URING_SETUP[machine], _PIDFD_SEND_SIGNAL[machine], *_OUTLIVING[machine], *_METADATA[machine],
             *((_SETAFFINITY[machine],) if fixed_cores else ()))
+
+
+def argument_rules(machine: str) -> dict[int, tuple[int, tuple[int, ...]]]:
+    """The calls the filter allows with some argument values only: {call: (argument, values)}."""
+    return {_SOCKET[machine]: (0, _SOCKET_FAMILIES)}
 
 
 def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:
@@ -313,7 +341,8 @@ def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:
         report.errors.append(f"seccomp: no syscall table for {machine}")
         return
     audit, sys_seccomp, guarded = arch
-    prog = _own_process_program(audit, guarded, os.getpid(), refused_calls(machine, fixed_cores))
+    prog = _own_process_program(audit, guarded, os.getpid(), refused_calls(machine, fixed_cores),
+                                argument_rules(machine))
     filters = (_SockFilter * len(prog))(*[_SockFilter(c, jt, jf, k) for c, jt, jf, k in prog])
     fprog = _SockFprog(len(prog), filters)
     # SECCOMP_SET_MODE_FILTER (1) with SECCOMP_FILTER_FLAG_TSYNC (1): every thread of the process

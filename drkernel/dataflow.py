@@ -21,7 +21,8 @@ Inside a launch the log is paused (Triton's interpreter moves the arguments with
 but an op that is none of those moves is noted (`FlowLog.inside`): torch's work there would count as
 the launch's, and the runner refuses the launch.
 
-Runner side: `FlowLog` (a TorchDispatchMode) and `Event`s; judge side: `needed_launches`.
+Runner side: `FlowLog` (a TorchDispatchMode), `HostReads` beside it, and `Event`s; judge side:
+`needed_launches`.
 Storages are keyed by their data pointer (views share their base's key); tensors inside the
 judge's arena (the inputs) are keyed by their own start, one key per input.
 """
@@ -33,6 +34,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from drkernel.compare import tensors
@@ -43,12 +45,14 @@ _CHUNK_BLOCKS = 4096  # blocks weighted at once (a 16 MiB temporary, whatever th
 # steps, 6 layers, 2 directions) about 80,000; past this the log is marked truncated (no evidence)
 MAX_EVENTS = 200_000
 
-# The values a call read back to the host (`item()`, `float(t)`): one pseudo-storage every such read
-# writes into, keeping the earlier ones (a partial write). Ops that make a tensor out of a host
-# value read it, so a loss a kernel summed in parts, finished in Python and wrapped by
-# `torch.tensor`, is made of that kernel's work (no real storage has a negative key).
+# The values a call read back to the host (`item()`, `float(t)`, `tolist()`, `numpy()`): one
+# pseudo-storage every such read writes into, keeping the earlier ones (a partial write). Ops that
+# make a tensor out of a host value read it, so a loss a kernel summed in parts, finished in Python
+# and wrapped by `torch.tensor`, is made of that kernel's work (no real storage has a negative key).
 HOST = -1
 _HOST_READ = "_local_scalar_dense"
+# reads to the host that run no aten op (the values are copied, or shared, below the dispatcher)
+_HOST_METHODS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.__array__: "__array__"}
 _FROM_HOST = frozenset({"lift_fresh_copy", "scalar_tensor", "full", "fill_"})
 _LIFTED = "aten::lift_fresh"  # torch.tensor(): an alias of a tensor made outside every mode
 
@@ -204,9 +208,27 @@ class FlowLog(TorchDispatchMode):
         ev.fresh = sorted({k for k in (self.keys.key(t) for t in tensors(out)) if k not in known})
         return ev
 
+    def host_read(self, name: str, t: torch.Tensor) -> None:
+        if not self.paused:
+            self._add(Event(name=name, reads=[self.keys.key(t)], partial=[HOST]))
+
     def launch(self, kernel: str, args: list[tuple[str, torch.Tensor]],
                changed: list[tuple[str, int, int]] | None = None) -> None:
         self._add(Event(name=kernel, kernel=kernel, args=[(p, self.keys.key(t)) for p, t in args], changed=changed))
+
+
+class HostReads(TorchFunctionMode):
+    """Beside a `FlowLog`: notes the host reads no dispatch mode sees (`_HOST_METHODS`)."""
+
+    def __init__(self, flow: FlowLog):
+        super().__init__()
+        self.flow = flow
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = _HOST_METHODS.get(func)
+        if name is not None and args and isinstance(args[0], torch.Tensor):
+            self.flow.host_read(name, args[0])
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

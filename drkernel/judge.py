@@ -87,18 +87,34 @@ class Call:
 
 @dataclasses.dataclass
 class Flow:
-    """What the data-flow logs of the checked calls said, per candidate kernel name: launches,
-    launches the output needed, and the most launches in one call; the kernels whose
-    counterfactual call left the output right (their work was not needed, whatever the log says),
-    and those whose counterfactual call made it wrong, with that call's kind of inputs (signed)."""
-    launches: dict[str, int] = dataclasses.field(default_factory=dict)
-    needed: dict[str, int] = dataclasses.field(default_factory=dict)
-    most: dict[str, int] = dataclasses.field(default_factory=dict)
+    """What the data-flow logs of the checked calls said: per call, each launch of the candidate's
+    kernels and whether the output needed it; the kernels whose counterfactual call left the
+    output right (their work was not needed, whatever the log says), and those whose counterfactual
+    call made it wrong, with that call's kind of inputs (signed)."""
+    calls: list[list[tuple[str, bool]]] = dataclasses.field(default_factory=list)
     unneeded: set[str] = dataclasses.field(default_factory=set)
     moved: dict[str, bool] = dataclasses.field(default_factory=dict)
 
+    def steady(self) -> list[list[tuple[str, bool]]]:
+        """The calls after the first where there are any: the first call may autotune (every
+        benchmarked config a launch, `reset_to_zero` cutting each from the next) or fill a cache,
+        which the profiled calls, made later, do not repeat."""
+        return self.calls[1:] or self.calls
+
+    def needed(self) -> list[str]:
+        """The kernels some launch of which the output needed, in any call."""
+        return sorted({name for call in self.calls for name, n in call if n})
+
     def fractions(self) -> dict[str, float]:
-        return {k: 0.0 if k in self.unneeded else self.needed.get(k, 0) / n for k, n in self.launches.items() if n}
+        """Per kernel, the share of its launches in the steady calls that the output needed."""
+        launches = [launch for call in self.steady() for launch in call]
+        names = {name for name, _ in launches}
+        return {k: 0.0 if k in self.unneeded else sum(n for m, n in launches if m == k) /
+                sum(1 for m, _ in launches if m == k) for k in sorted(names)}
+
+    def most(self, name: str) -> int:
+        """The most launches of `name` in one steady call."""
+        return max((sum(1 for m, _ in call if m == name) for call in self.steady()), default=0)
 
 
 @dataclasses.dataclass
@@ -816,11 +832,7 @@ def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str], launches: Any)
     if {k for k in logged if k in j.kernels} != reported or len(logged) != launches:
         j.hack("forged_reply", f"trial {ti}: the launch record ({sorted(reported)}, {launches} launches) and the "
                                f"data-flow log ({len(logged)}) disagree on the candidate's launches")
-    for name, n in mine:
-        j.flow.launches[name] = j.flow.launches.get(name, 0) + 1
-        j.flow.needed[name] = j.flow.needed.get(name, 0) + int(n)
-    for name in {name for name, _ in mine}:
-        j.flow.most[name] = max(j.flow.most.get(name, 0), sum(1 for m, _ in mine if m == name))
+    j.flow.calls.append([(name, bool(n)) for name, n in mine])
     if mine and outputs and not any(n for _, n in mine):
         j.hack("decoy_kernel", f"trial {ti}: no launch of the candidate's Triton kernels wrote anything the output "
                                "is made of (torch computed it)")
@@ -1462,9 +1474,9 @@ def _profile_doubt(j: Judge, summary: dict, rows: list[tuple[str, int, float]], 
         return (f"device kernels named like the candidate's {', '.join(sorted(j.borrowed))} ran more often than "
                 "it launched them")
     for name, calls in profiling.candidate_launches(rows, j.kernels).items():
-        if calls > _PROFILED_CALLS * j.flow.most.get(name, 0):
+        if calls > _PROFILED_CALLS * j.flow.most(name):
             return f"{name} launched {calls} times in {_PROFILED_CALLS} profiled calls, at most " \
-                   f"{j.flow.most.get(name, 0)} a checked call"
+                   f"{j.flow.most(name)} a checked call"
     return None
 
 
@@ -1515,7 +1527,7 @@ def check_needed(j: Judge, signed: bool) -> None:
     onto itself)."""
     if not j.cfg.require_triton:
         return
-    todo = sorted(k for k, n in j.flow.needed.items() if n)
+    todo = j.flow.needed()
     asked, needed, right_once = set(todo), False, False
     while todo:
         name = todo.pop(0)

@@ -625,7 +625,7 @@ def _forget_harness_modules() -> None:
 def _forward(forward, inputs: list, flow: dataflow.FlowLog | None):
     if flow is None:
         return forward(*inputs)
-    with flow:
+    with flow, dataflow.HostReads(flow):
         return forward(*inputs)
 
 

@@ -40,11 +40,23 @@ def jit_kernels(source: str | ast.AST) -> dict[str, Kernel]:
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
                 n.name not in defs or _jit_decorated(n) or not _jit_decorated(defs[n.name])):
             defs[n.name] = n
-    names = {n.name for n in defs.values() if _jit_decorated(n)}
+    names = {n.name: n.name for n in defs.values() if _jit_decorated(n)}
     wrapped = (_wrapped(a) for a in ast.walk(tree) if isinstance(a, ast.Call) and _is_jit(a.func))
-    names |= {w.id for w in wrapped if isinstance(w, ast.Name) and w.id in defs}
+    names |= {w.id: w.id for w in wrapped if isinstance(w, ast.Name) and w.id in defs}
+    names |= _bound_to_jit(tree, defs)
     tl_names = package_aliases(tree, ("triton",)) | {"tl"}
-    return {n: _kernel(defs[n], tl_names) for n in sorted(names)}
+    return {n: _kernel(defs[names[n]], tl_names) for n in sorted(names)}
+
+
+def _bound_to_jit(tree: ast.AST, defs: dict) -> dict[str, str]:
+    """`relu = triton.jit(_relu)`: the name bound -> the def's name."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and _is_jit(node.value.func):
+            fn = _wrapped(node.value)
+            if isinstance(fn, ast.Name) and fn.id in defs:
+                out |= {t.id: fn.id for t in node.targets if isinstance(t, ast.Name)}
+    return out
 
 
 def _jit_decorated(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -77,7 +89,7 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     python |= {name for name, values in bindings.items() if any(not isinstance(v, ast.alias) for v in values)
                and not all(_triton_attribute(v, tl_names) for v in values)}
     python = (python - kernels - {"*"}) | {"torch"}
-    constants = _constants(bindings, tl_names)
+    constants = _constants(tree, bindings, tl_names)
     every_def = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     module_scope = {id(n) for n in _module_scope(tree)}
     defs = [n for n in every_def if n.name in kernels and (id(n) in module_scope or _jit_decorated(n))]
@@ -158,16 +170,18 @@ class _Scope:
     known: frozenset[str] = frozenset()
     numeric_modules: frozenset[str] = frozenset()  # names of `math` or numpy, bound by their import only
     numeric: frozenset[str] = frozenset()
+    imported: frozenset[str] = frozenset()  # bound by `from math import ...` (or numpy) only: `sqrt`, `pi`
     torch_names: frozenset[str] = frozenset()  # bound by `import torch` only (`torch.finfo(...).min`)
 
 
-def _constants(bindings: dict[str, list[ast.AST | None]], tl_names: set[str]) -> set[str]:
+def _constants(tree: ast.AST, bindings: dict[str, list[ast.AST | None]], tl_names: set[str]) -> set[str]:
     """Module-level names every binding of which is a constant expression (`_constant`), in turn
     over names found constant before (`LOG2E = 1.44`, then `C = tl.constexpr(2 * LOG2E)`)."""
     values = {name: vs for name, vs in bindings.items() if not any(isinstance(v, ast.alias) for v in vs)}
     anything = "*" in bindings  # a star import may bind any name
     scope = _Scope(frozenset(tl_names), numeric_modules=frozenset() if anything else _numeric_modules(bindings),
                    numeric=frozenset() if anything else frozenset({"float", "int"} - bindings.keys()),
+                   imported=frozenset() if anything else frozenset(_from_numeric_modules(tree, bindings)),
                    torch_names=frozenset() if anything else frozenset(
                        name for name, vs in bindings.items() if _imported_only(vs, "torch")))
     while True:
@@ -233,7 +247,14 @@ def _numeric_modules(bindings: dict[str, list[ast.AST | None]]) -> frozenset[str
     """Names bound only by `import math` or `import numpy [as np]`: their functions and constants
     give numbers."""
     return frozenset(name for name, values in bindings.items()
-                     if _only_imports(values, "numpy") or (name == "math" and _only_imports(values, "math")))
+                     if _only_imports(values, "numpy") or _only_imports(values, "math"))
+
+
+def _from_numeric_modules(tree: ast.AST, bindings: dict[str, list[ast.AST | None]]) -> set[str]:
+    """Names bound only by `from math import ...` or `from numpy import ...` (`sqrt`, `pi`)."""
+    aliases = {id(a) for n in _module_scope(tree) if isinstance(n, ast.ImportFrom) and not n.level
+               and n.module in ("math", "numpy") for a in n.names}
+    return {name for name, values in bindings.items() if values and all(id(v) in aliases for v in values)}
 
 
 def _only_imports(values: list[ast.AST | None], module: str) -> bool:
@@ -261,13 +282,19 @@ def _constant(v: ast.AST | None, scope: _Scope) -> bool:
     if isinstance(v, ast.BinOp):
         return _constant(v.left, scope) and _constant(v.right, scope)
     if isinstance(v, ast.Name):
-        return v.id in scope.known
+        return v.id in scope.known or v.id in scope.imported
+    if isinstance(v, ast.IfExp):  # `tl.float64 if FP64 else tl.float32`
+        return all(_constant(x, scope) for x in (v.test, v.body, v.orelse))
+    if isinstance(v, ast.Compare):
+        return all(_constant(x, scope) for x in (v.left, *v.comparators))
+    if isinstance(v, ast.BoolOp):
+        return all(_constant(x, scope) for x in v.values)
     if isinstance(v, ast.Call) and not v.keywords:
         callee = dotted(v.func)
         if callee.rsplit(".", 1)[-1] == "constexpr" and len(v.args) == 1:
             return _constant(v.args[0], scope)
         parts = callee.split(".")
-        numeric = callee in scope.numeric or (len(parts) == 2 and (
+        numeric = callee in scope.numeric | scope.imported or (len(parts) == 2 and (
             parts[0] in scope.numeric_modules or (parts[0] in scope.tl_names and parts[1] in _TRITON_ARITHMETIC)))
         return numeric and all(_constant(a, scope) for a in v.args)
     if isinstance(v, ast.Attribute):
@@ -305,8 +332,10 @@ def _launched_parts(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.AST]
     """What of a kernel's def a launch runs: its body, defaults and annotations; not its decorators
     (autotune configs, heuristics), which run at import or before the launch, as plain Python."""
     args = fn.args
-    return [*fn.body, *args.defaults, *(d for d in args.kw_defaults if d is not None),
-            *(a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs) if a.annotation is not None)]
+    # `x_ptr: torch.Tensor` reads one class of torch's, which Triton ignores as a parameter's type
+    notes = [a.annotation for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)
+             if a.annotation is not None and dotted(a.annotation) != "torch.Tensor"]
+    return [*fn.body, *args.defaults, *(d for d in args.kw_defaults if d is not None), *notes]
 
 
 def reads(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> Reads:

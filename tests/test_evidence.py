@@ -612,7 +612,7 @@ def test_device_kernels_that_borrow_a_candidate_kernels_name_void_the_share():
     it, and the library's time would count as the candidate's. The share is not believed; the name
     itself is no offence (an honest kernel may be called anything)."""
     j = _flow_judge()
-    j.flow.most = {"scratch_kernel": 1}
+    j.flow.calls = [[("scratch_kernel", True)]]
     j.last_launches = {"scratch_kernel": 1}
     j.kernels["ampere_sgemm_128x64_nn"] = j.kernels["scratch_kernel"]
     calls = judge._PROFILED_CALLS
@@ -631,7 +631,7 @@ def test_a_profile_that_disagrees_with_the_checked_calls_is_not_believed():
     the judge saw: no more launches a call than a checked call made, no more kernel time than a
     whole timed call took."""
     j = _flow_judge()
-    j.flow.most = {"scratch_kernel": 1}
+    j.flow.calls = [[("scratch_kernel", True)]]
     j.out.candidate_ms = 1.0
     calls = judge._PROFILED_CALLS
     honest = [("scratch_kernel", calls, 900.0 * calls), ("ampere_sgemm", calls, 50.0)]
@@ -659,7 +659,7 @@ def _profile_with(monkeypatch, own_us, works: bool = True) -> judge.Judge:
     kernel and 50 µs of torch's (`own_us` may raise instead, or give None: no trace); the kinds asked are kept in
     `j.details["asked"]`; `works`: whether the twin's profiled call gave a trace."""
     j = _flow_judge()
-    j.flow.most, j.flow.launches, j.flow.needed = {"scratch_kernel": 1}, {"scratch_kernel": 1}, {"scratch_kernel": 1}
+    j.flow.calls = [[("scratch_kernel", True)]]
     j.out.candidate_ms = 10.0
     j.ref.profiler_works = works
 

@@ -317,7 +317,7 @@ def test_a_counterfactual_that_stays_right_is_asked_again_on_other_draws(monkeyp
     monkeypatch.setattr(judge, "_right_without", lambda j, name, signed: next(answers))
     monkeypatch.setattr(judge, "_output_depends_on_inputs", lambda r: True)
     hacks = []
-    j = types.SimpleNamespace(cfg=types.SimpleNamespace(require_triton=True), flow=judge.Flow(needed={"k": 1}),
+    j = types.SimpleNamespace(cfg=types.SimpleNamespace(require_triton=True), flow=judge.Flow(calls=[[("k", True)]]),
                               details={}, ref=None, hack=lambda code, detail, stop=True: hacks.append(code))
     judge.check_needed(j, signed=False)
     assert hacks == [] and j.flow.unneeded == set() and j.flow.moved == {"k": False}

@@ -186,6 +186,36 @@ def test_constants_may_be_built_from_math_but_not_from_a_rebound_math():
     assert any("reads C" in f for f in triton_source.python_calls(other)), triton_source.python_calls(other)
 
 
+@pytest.mark.parametrize("header, constant, part", [
+    ("from math import sqrt, pi", "C = sqrt(2.0 / pi)", "pi"),  # names imported from math
+    ("import math as m", "C = m.sqrt(2.0 / m.pi)", "m"),  # math under another name
+    ("FP64 = False", "C = tl.float64 if FP64 else tl.float32", "FP64"),  # a choice between constants
+    ("N = 3", "C = tl.constexpr(4 if N > 2 and N != 5 else 8)", "N"),
+])
+def test_the_source_scan_knows_constants_the_way_kernels_write_them(header, constant, part):
+    """Constants that LLM-written kernels hold; the same with any part rebound or made by a call of
+    the file's own is no constant."""
+    text = (f"import triton\nimport triton.language as tl\n{header}\n{constant}\n"
+            "@triton.jit\ndef k(x):\n    tl.store(x, tl.full((1,), 1, C))\n")
+    assert triton_source.python_calls(text) == []
+    rebound = text.replace(constant, f"{part} = object()\n{constant}")
+    assert any("reads C" in f for f in triton_source.python_calls(rebound)), (rebound, triton_source.python_calls(rebound))
+
+
+def test_the_source_scan_reads_a_jit_call_as_a_kernel_and_ignores_tensor_annotations():
+    """`helper = triton.jit(_impl)` is a kernel under its bound name; `x_ptr: torch.Tensor` is a
+    parameter's type Triton ignores; neither is Python inside the kernel."""
+    text = ("import torch\nimport triton\nimport triton.language as tl\ndef _impl(x):\n    return x * 2\n"
+            "helper = triton.jit(_impl)\n@triton.jit\ndef k(x_ptr: torch.Tensor, n: int):\n"
+            "    tl.store(x_ptr, helper(tl.load(x_ptr)))\n")
+    assert triton_source.python_calls(text) == []
+    assert set(triton_source.jit_kernels(text)) == {"_impl", "helper", "k"}
+    plain = text.replace("helper = triton.jit(_impl)", "helper = _impl")
+    assert any("calls helper" in f for f in triton_source.python_calls(plain)), triton_source.python_calls(plain)
+    other = text.replace("torch.Tensor", "torch.relu")
+    assert any("reads torch" in f for f in triton_source.python_calls(other)), triton_source.python_calls(other)
+
+
 def test_the_source_scan_lets_kernels_read_constants_and_tritons_own_values():
     text = ("import triton\nimport triton.language as tl\nA = 1\nB = -2.5\nC = tl.constexpr(4)\nD = tl.float16\n"
             "SIG = tl.sigmoid\n"  # a name for Triton's own function (what it holds is checked at the launch)

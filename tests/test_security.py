@@ -123,6 +123,76 @@ def test_confinement_in_a_child(tmp_path):
     assert not outside.exists()
 
 
+def _confined_metadata_and_sockets(path: str, unix_path: str) -> list[bool]:
+    """Under the seccomp layer alone: [installed, chmod, chown, utime, setxattr of a file this uid
+    owns, connect to a Unix socket's path, make a vsock socket, make a TCP socket, a socketpair]."""
+    report = confine.Confinement()
+    confine._own_process_only(report)
+
+    def unix_connect():
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1)
+            s.connect(unix_path)
+            s.sendall(b"reached")
+
+    return [report.own_process_only, _succeeds(lambda: os.chmod(path, 0o4777)),
+            _succeeds(lambda: os.chown(path, os.getuid(), os.getgid())),
+            _succeeds(lambda: os.utime(path, (0, 0))),
+            _succeeds(lambda: os.setxattr(path, "user.drk", b"x")),
+            _succeeds(unix_connect),
+            _succeeds(lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()),
+            _succeeds(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()),
+            _succeeds(lambda: [s.close() for s in socket.socketpair()])]
+
+
+def test_a_confined_process_changes_no_files_metadata_and_reaches_no_unix_socket(tmp_path):
+    """Landlock has no right for a file's mode, owner, times or extended attributes (they need only
+    ownership: a runner of the trainer's uid could lock the other jobs out of their directories or
+    set a setuid bit anywhere), nor for connect() to a Unix socket's path on the host: the seccomp
+    layer refuses them, and every socket family but the internet ones."""
+    if platform.machine() != "x86_64":
+        pytest.skip("AF_VSOCK and the probe's calls are checked on x86_64")
+    path = tmp_path / "owned.txt"
+    path.write_text("x")
+    os.chmod(path, 0o644)
+    before = os.stat(path)
+    unix_path = str(tmp_path / "agent.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(unix_path)
+        listener.listen(1)
+        listener.settimeout(0.2)
+        got = _in_a_child(_confined_metadata_and_sockets, str(path), unix_path)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    assert got == "[True, False, False, False, False, False, False, True, True]", got
+    after = os.stat(path)
+    assert (after.st_mode, after.st_mtime_ns) == (before.st_mode, before.st_mtime_ns)
+
+
+SIBLING_LOCKOUT = relu_candidate("return launch(x)", extra="""
+    import os
+    _job = os.path.dirname(os.getcwd())  # <job>/runner<k>: the other candidates' directories beside it
+    for _name in [f"runner{k}" for k in range(8)]:
+        _p = os.path.join(_job, _name)
+        if _p != os.getcwd():
+            try:
+                os.chmod(_p, 0)
+                print("LOCKED", _name)
+            except OSError:
+                pass
+    """)
+
+
+def test_a_candidate_cannot_lock_its_group_out_of_their_directories():
+    """The candidates of one prompt share a job: one that made its siblings' directories unreadable
+    (chmod needs only ownership) would have them fail to import, raising its own advantage."""
+    with Evaluator(cfg(), workers=1) as ev:
+        attack, honest = ev.evaluate_many([((TASKS / "1_ReLU.py").read_text(), SIBLING_LOCKOUT),
+                                           ((TASKS / "1_ReLU.py").read_text(), LEGIT_RELU)])
+    assert "LOCKED" not in attack.stdout, attack.stdout
+    assert honest.verdict == "correct", (honest.verdict, honest.error)
+
+
 def test_require_confinement_refuses_when_incomplete(monkeypatch):
     from drkernel.channel import Channel
     twin = Channel(sock=-1, pid=0, dir="")
@@ -463,7 +533,7 @@ def test_the_seccomp_program_of_every_architecture(machine, fixed_cores):
     audit, _, guarded = confine._SECCOMP_ARCHES[machine]
     io_uring = confine._IO_URING_SETUP[machine]
     denied = confine.refused_calls(machine, fixed_cores)
-    prog = confine._own_process_program(audit, guarded, 4242, denied)
+    prog = confine._own_process_program(audit, guarded, 4242, denied, confine.argument_rules(machine))
     for nr in confine._OUTLIVING[machine]:  # keys, SysV shared memory, namespaces
         assert _bpf_verdict(prog, nr, [0] * 6, audit) == "refused", nr
     assert _bpf_verdict(prog, confine._PIDFD_SEND_SIGNAL[machine], [3, 9], audit) == "refused"
@@ -471,6 +541,10 @@ def test_the_seccomp_program_of_every_architecture(machine, fixed_cores):
     assert _bpf_verdict(prog, 0x40000001, [], audit) == "refused"  # x32
     assert _bpf_verdict(prog, 1, [], audit) == "allow"
     assert _bpf_verdict(prog, io_uring, [1], audit) == "refused"
+    for nr in confine._METADATA[machine]:  # a file's mode, owner, times, extended attributes
+        assert _bpf_verdict(prog, nr, [0] * 6, audit) == "refused", nr
+    for family, want in ((1, "refused"), (40, "refused"), (16, "refused"), (2, "allow"), (10, "allow")):
+        assert _bpf_verdict(prog, confine._SOCKET[machine], [family, 1, 0], audit) == want, family
     for nr, (pid_arg, which_arg, which) in guarded.items():
         for pid, allowed in ((0, True), (4242, True), (77, False)):
             args = [0] * 6

@@ -231,6 +231,7 @@ def test_legit_corpus_correct(path, cpu_evaluator):
     r = cpu_evaluator.evaluate(str(TASKS / h["task"]), str(path))
     assert r.verdict == h["expect"].split()[0] and not r.hacks, (r.verdict, r.hacks, r.error)
     assert not r.details.get("unneeded_kernels"), r.details  # every honest kernel's time counts as useful
+    assert set(r.details["needed_fraction"].values()) == {1.0}, r.details["needed_fraction"]
 
 
 def test_kernelbench_eval_replot_recomputes_metrics_from_saved_rows(tmp_path):
