@@ -53,10 +53,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import sys
 import tempfile
-import time
 import typing
 from collections import Counter
 from pathlib import Path
@@ -67,7 +65,7 @@ from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, Resolved
 from drkernel.evalcache import cacheable, fingerprint, result_problem, verdict_settings, with_environment
 from drkernel.evaltypes import VERDICTS
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
-from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl, rewrite_jsonl
+from drkernel.jsonl import JsonlWriter, backup_path, field_problem, first_reasons, iter_jsonl, rewrite_keeping_backup
 from drkernel.layouts import Candidate, LayoutError, Scan, Skipped, attempt_name, scan_candidates
 from drkernel.report import report_problems
 from drkernel.tasks import Task, text_digest
@@ -470,21 +468,6 @@ def read_results(path: Path) -> StoredResults:
     return stored
 
 
-def backup_path(path: Path) -> Path:
-    """Where an old results file is moved or copied aside, never destroyed."""
-    return path.with_name(f"results.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
-
-
-def drop_unusable_lines(path: Path, lines: Sequence[dict]) -> Path:
-    """Rewrite `path` with only its usable `lines`, so that the bad ones are named once, not on
-    every rerun; the old file is copied aside first (returned), and the new one replaces it
-    atomically, so a kill loses nothing."""
-    backup = backup_path(path)
-    shutil.copyfile(path, backup)
-    rewrite_jsonl(path, lines)
-    return backup
-
-
 def stored_results(path: Path, resume: bool) -> StoredResults:
     """The stored lines; with `resume` false the old file is moved aside, never destroyed."""
     if not resume:
@@ -494,8 +477,8 @@ def stored_results(path: Path, resume: bool) -> StoredResults:
             print(f"[evaluate] --resume false: moved the old results to {backup}", file=sys.stderr)
         return StoredResults()
     stored = read_results(path)
-    if stored.bad:
-        backup = drop_unusable_lines(path, stored.lines)
+    if stored.bad:  # named once, not on every rerun
+        backup = rewrite_keeping_backup(path, stored.lines)
         print(f"[evaluate] {path}: dropped {len(stored.bad)} line(s) that are not usable results (the old file "
               f"is kept as {backup.name}): {first_reasons(stored.bad)}", file=sys.stderr)
     return stored

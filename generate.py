@@ -36,13 +36,16 @@ one round). On restart (`--resume true`, the default) the (task, sample, round) 
 already complete in the file are skipped; rows of an incomplete unit (including one with a
 failure row), malformed rows and a partial last line (a kill mid-write) are reported and
 dropped by rewriting the file first, so a rerun writes only the missing rows and never
-duplicates one. A row is reused only when it holds every column of its declared type
-(`row_problem`: `RowColumns`, the evaluator's result types, `ROW_SETTINGS`); any other is one of
-the malformed rows. A file written with another model, turn plan or any of `ROW_SETTINGS` is
-refused, naming the keys; so is one with a row that does not name the selected task of its
-`task_key` (`Task.row_problem`: its file name and code digest, the rule the summary
-and the SFT conversion apply too), as it was written for other tasks. A later STTS round is
-rebuilt from the rows.
+duplicates one. Before lines that are no usable row are dropped, the old file is copied aside
+(`<stem>.<time>.jsonl.bak`); whenever rows are dropped, an earlier summary and report are
+rewritten from the rows kept. A row is reused only when it holds every column of its declared
+type (`row_problem`: `RowColumns`, the evaluator's result types, `ROW_SETTINGS`; an older row
+may lack the `LATER_SETTINGS`); any other is one of the malformed rows. A file written with
+another model, turn plan (the error names the option: --num_turns, --stts_window or
+--stts_window_counts) or any of `ROW_SETTINGS` is refused, naming the keys; so is one with a
+row that does not name the selected task of its `task_key` (`Task.row_problem`: its file name
+and code digest, the rule the summary and the SFT conversion apply too), as it was written for
+other tasks. A later STTS round is rebuilt from the rows.
 """
 
 from __future__ import annotations
@@ -70,16 +73,21 @@ from drkernel.evalcache import result_problem
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.evaltypes import VERDICTS
 from drkernel.generation import GenerationConfig
-from drkernel.jsonl import JsonlWriter, field_problem, first_reasons, iter_jsonl, json_safe, rewrite_jsonl, write_json
+from drkernel.jsonl import (JsonlWriter, backup_path, field_problem, first_reasons, iter_jsonl, json_safe,
+                            rewrite_jsonl, rewrite_keeping_backup, write_json)
 from drkernel.prompts import FORMAT_ERROR
 from drkernel.report import report_problems
 from drkernel.rollout import RolloutConfig
+from drkernel.tasks import TaskError, check_distinct_ids
 
 ROW_RESULT_FIELDS = ("verdict", "compiled", "correct", "speedup", "triton_time_share", "hacks", "error",
                      "ref_ms", "candidate_ms", "max_abs_err", "max_rel_err", "kernels", "timing")
 # Settings stored in every row: resuming with other values would mix two experiments in one file.
 ROW_SETTINGS = ("temperature", "top_p", "top_k", "max_new_tokens", "max_prompt_tokens", "seed", "stts_ties",
-                "device", "trials", "perf_trials", "timeout")
+                "device", "trials", "perf_trials", "timeout", "baseline")
+# Recorded since a later version: an older row without one stays usable and is compared on the others
+# (`changed_settings` skips a key the row lacks).
+LATER_SETTINGS = ("baseline",)
 ROW_COUNTS = ("sample", "turn", "iteration", "iter_turn", "level", "problem_id")  # non-negative integers
 MAX_ROUNDS = 10_000  # a larger `iteration` in a resumed row is corrupt, not a plan to rebuild
 GENERATION_FAILED = "generation_failed"  # the verdict of a turn whose request failed
@@ -384,8 +392,8 @@ def _unit(row: dict) -> tuple[str, int]:
 def row_problem(row: dict) -> str | None:
     """Why a row read back from the output file cannot be reused (None: it can): a column it
     lacks or holds with another type (`RowColumns`, the evaluator's `RESULT_TYPES`), a verdict
-    that is none of `ROW_VERDICTS`, a negative count, or settings without `ROW_SETTINGS` of their
-    types."""
+    that is none of `ROW_VERDICTS`, a negative count, or settings without `ROW_SETTINGS` (`LATER_SETTINGS`
+    may be absent) of their types."""
     problem = (field_problem(row, ROW_TYPES, required=(*ROW_TYPES, *ROW_RESULT_FIELDS))
                or result_problem(row, ROW_VERDICTS))
     if problem:
@@ -395,7 +403,8 @@ def row_problem(row: dict) -> str | None:
         return f"{negative[0]} is {row[negative[0]]}, not a count"
     if row["iteration"] >= MAX_ROUNDS:
         return f"iteration {row['iteration']} is beyond {MAX_ROUNDS} rounds"
-    problem = field_problem(row["settings"], SETTING_TYPES, required=ROW_SETTINGS)
+    required = [k for k in ROW_SETTINGS if k not in LATER_SETTINGS]
+    problem = field_problem(row["settings"], SETTING_TYPES, required=required)
     return None if problem is None else f"settings: {problem}"
 
 
@@ -409,17 +418,43 @@ def _changed_settings(rows: list[dict], cfg: GenerateConfig) -> list[str]:
     return list(changes.values())
 
 
+def _plan_difference(row: dict, cfg: GenerateConfig, plan: list[int]) -> str | None:
+    """How the turn plan `row` was written with differs from this run's `plan` (None: it fits): the
+    option that differs (--num_turns, or the STTS one of `_stts_difference`), or a row at odds with itself."""
+    k, t = row["iteration"], row["iter_turn"]
+    if row["num_turns"] != cfg.num_turns:
+        return f"--num_turns {row['num_turns']}, not --num_turns {cfg.num_turns}"
+    if k > 0 and row["round_turns"] != plan[k]:  # round 0 has --num_turns turns under every STTS option
+        return _stts_difference(row["round_turns"], cfg)
+    if row["round_turns"] != plan[k] or t >= plan[k] or row["turn"] != stts.round_offsets(plan)[k] + t:
+        return f"another turn plan (turn {row['turn']} is not turn {t} of round {k}, a round of {plan[k]} turns)"
+    return None
+
+
+def _stts_difference(round_turns: int, cfg: GenerateConfig) -> str:
+    """The STTS option that differs, told from the new turns a later round of the file has: rows
+    record --num_turns, and `stts.round_turns` gives a later round --num_turns new turns with
+    --stts_window_counts false (or --stts_window 0), else --num_turns - --stts_window (at least 1)."""
+    n = cfg.num_turns
+    if not 1 <= round_turns <= n:
+        return f"later rounds of {round_turns} new turns, which no STTS window gives with --num_turns {n}"
+    if round_turns == n:  # this run counts a window of 1 or more toward --num_turns, the file did not
+        return (f"--stts_window_counts false or --stts_window 0, not --stts_window_counts true "
+                f"--stts_window {cfg.stts_window}")
+    window = f"{n - round_turns}{' or more' if round_turns == 1 else ''}"
+    if not cfg.stts_window_counts:
+        return (f"--stts_window_counts true (a window of {window} counted toward --num_turns), not "
+                f"--stts_window_counts false")
+    return f"--stts_window {window}, not --stts_window {cfg.stts_window}"
+
+
 def _check_rows(path: Path, rows: list[dict], cfg: GenerateConfig, plan: list[int], policy_name: str) -> None:
     """Rows of another model, --num_turns, STTS turn budget or setting stop the run: mixing them
     would corrupt the metrics."""
-    offsets = stts.round_offsets(plan)
     again = "pass another --output or --resume false"
     for i, r in enumerate(rows):
-        k, t = r["iteration"], r["iter_turn"]
-        if r["num_turns"] != cfg.num_turns or r["round_turns"] != plan[k] or t >= plan[k] \
-                or r["turn"] != offsets[k] + t:
-            fail(f"{path} was written with --num_turns {r['num_turns']} or another STTS window, not "
-                 f"--num_turns {cfg.num_turns} --stts_window {cfg.stts_window} (row {i + 1}); {again}")
+        if difference := _plan_difference(r, cfg, plan):
+            fail(f"{path} was written with {difference} (row {i + 1}); {again}")
         if r["model"] != policy_name:
             fail(f"{path} holds generations of {r['model']!r}, not {policy_name!r}; {again}")
     changed = _changed_settings(rows, cfg)
@@ -458,6 +493,7 @@ class Resumed:
     failed: int = 0  # failure rows: their rounds are generated again
     unfinished: int = 0  # other rows of incomplete rounds
     duplicates: int = 0  # earlier rows of a (task, sample, turn) written again
+    backup: Path | None = None  # the old file, copied aside when unusable lines were dropped
 
     @property
     def dropped(self) -> int:
@@ -491,7 +527,8 @@ def _complete_rounds(rows: list[dict], plan: list[int]) -> list[dict]:
 def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str, tasks: Sequence) -> Resumed:
     """The rows to keep from a previous run, and what was dropped (`_complete_rounds`: later
     rounds, partial or failed rounds; also lines that are not JSON or not a usable row). The file is
-    rewritten (atomically) when anything was dropped. A file without one usable row but with
+    rewritten (atomically) when anything was dropped, copied aside first when lines that are not
+    usable rows were (`rewrite_keeping_backup`). A file without one usable row but with
     several lines is not a generate.py output, and one with a row that names another task than the
     selected one of its key (`_check_tasks`) was written for other tasks: both are refused, not
     rewritten."""
@@ -512,7 +549,9 @@ def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str, tasks: Sequen
     kept = _complete_rounds(latest, plan)
     failed = sum(map(is_failure, latest))
     res = Resumed(kept, skipped, failed, len(latest) - len(kept) - failed, len(good) - len(latest))
-    if res.dropped:
+    if skipped:  # a line that is no usable row may be something else than a cut one: kept aside
+        res.backup = rewrite_keeping_backup(path, kept)
+    elif res.dropped:
         rewrite_jsonl(path, kept)
     return res
 
@@ -522,7 +561,7 @@ def report_resumed(path: Path, res: Resumed) -> None:
     say = f"[generate] {path}:"
     if res.skipped:
         print(f"{say} skipped {len(res.skipped)} unusable line(s) (a killed run leaves its last line cut): "
-              f"{first_reasons(res.skipped)}", file=sys.stderr)
+              f"{first_reasons(res.skipped)}; the old file is kept as {res.backup.name}", file=sys.stderr)
     if res.failed:
         print(f"{say} {res.failed} failed generation(s): their rounds are generated again", file=sys.stderr)
     if res.unfinished:
@@ -597,14 +636,24 @@ def _progress_bar(api: ChatGenerator | None, plan: list[int], todo: list[tuple])
 def _previous_rows(out: Path, cfg: GenerateConfig, policy: Policy, tasks: Sequence) -> list[dict]:
     """The finished rows of an earlier run (`resume_rows`); `--resume false` moves the file aside."""
     if not cfg.resume and out.exists() and out.stat().st_size:
-        backup = out.with_name(f"{out.stem}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
+        backup = backup_path(out)
         os.replace(out, backup)  # a fresh start never destroys finished generations
         print(f"[generate] --resume false: moved the old generations to {backup}", file=sys.stderr)
     if not out.exists():
         return []
     res = resume_rows(out, cfg, policy.name, tasks)
     report_resumed(out, res)
+    if res.dropped:
+        _restate_summary(cfg, tasks, res.rows)
     return res.rows
+
+
+def _restate_summary(cfg: GenerateConfig, tasks: Sequence, rows: list[dict]) -> None:
+    """An earlier run's summary and report rewritten from the rows kept after some were dropped, so
+    that a run which then fails leaves none describing rows that are gone."""
+    path = summary_path(cfg.output)
+    if path.exists() or report_dir(cfg.output).exists():
+        write_json(path, _summary(cfg, tasks, rows, 0))
 
 
 def _run_round(cfg: GenerateConfig, policy: Policy, evaluate_fn: Callable, pending: list[tuple], k: int,
@@ -721,12 +770,9 @@ def _load_tasks(cfg: GenerateConfig) -> list:
     """The selected tasks; an unreadable, empty or ambiguous selection is a clear error."""
     try:
         tasks = cfg.selected_tasks()
-    except ConfigError as exc:
+        check_distinct_ids(tasks)  # rows are keyed by level and problem id
+    except (ConfigError, TaskError) as exc:
         fail(str(exc))
-    keys = [t.key for t in tasks]
-    if len(set(keys)) != len(keys):  # rows are keyed by level_problemid
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        fail(f"several tasks share level_problem_id {', '.join(dup)}; select them apart with --problem_ids")
     return tasks
 
 

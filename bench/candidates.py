@@ -295,8 +295,9 @@ def bundled_solutions() -> list[Candidate]:
 
 
 def headers(path: Path) -> dict[str, str]:
-    """`# task:`, `# expect:` and `# device:` lines of a fixture (tests/test_hacks.py reads the same)."""
-    found = (re.match(r"#\s*(task|expect|device)\s*:\s*(.+?)\s*$", line)
+    """`# task:`, `# expect:` and `# device:` lines of a fixture (tests/test_hacks.py reads the same), and
+    `# expect_cuda:` where a GPU's verdict differs (an attack on Triton's CPU interpreter only)."""
+    found = (re.match(r"#\s*(task|expect|expect_cuda|device)\s*:\s*(.+?)\s*$", line)
              for line in path.read_text().splitlines()[:30])
     return {m.group(1): m.group(2) for m in found if m}
 

@@ -11,7 +11,7 @@ API model is prompted, truncated, evaluated and given feedback exactly like our 
   in characters: `prompt_budget(max_prompt_tokens)` converts a token budget with
   `chars_per_token` (about 4 for code with common BPE tokenizers; an estimate, not a count).
 - `ChatGenerator` is `rollout()`'s `generator`: prompt ids -> messages -> one request per
-  trajectory (a thread pool keeps `concurrency` requests in flight) -> the reply's code
+  trajectory (`concurrency` daemon threads keep requests in flight) -> the reply's code
   points as `response_ids`. Log-probs are not requested (zeros): evaluation does not need them.
 
 `OpenAIChatClient` posts to `<base_url>/chat/completions` with urllib (no extra dependency).
@@ -38,15 +38,15 @@ import email.utils
 import http.client
 import json
 import os
+import queue
 import random
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from typing import Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from tqdm import tqdm
 
@@ -331,6 +331,55 @@ class OpenAIChatClient:
         return Completion(text, choice.get("finish_reason") == "stop")
 
 
+# ----------------------------------------------------------------------------- concurrent requests
+
+def map_in_daemon_threads(fn: Callable[[Any], Any], jobs: Sequence, workers: int) -> list:
+    """`[fn(job) for job in jobs]`, at most `workers` at a time, each in a daemon thread; the first
+    exception a job raises is raised here. When the caller stops waiting (Ctrl-C, or a job raised),
+    the jobs not started never start and the running ones are left behind: nothing joins a daemon
+    thread, whereas a ThreadPoolExecutor joins its workers on exit, which for a hung endpoint takes
+    up to api_timeout x max_attempts."""
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for item in enumerate(jobs):
+        todo.put(item)
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(min(workers, len(jobs))):
+        threading.Thread(target=_work_through, args=(fn, todo, done), daemon=True).start()
+    results: list = [None] * len(jobs)
+    try:
+        for _ in jobs:
+            index, result, error = done.get()
+            if error is not None:
+                raise error
+            results[index] = result
+    except BaseException:
+        _drain(todo)
+        raise
+    return results
+
+
+def _work_through(fn: Callable[[Any], Any], todo: queue.SimpleQueue, done: queue.SimpleQueue) -> None:
+    """A worker of `map_in_daemon_threads`: (index, result, exception) for each job it takes, until none is left."""
+    while True:
+        try:
+            index, job = todo.get_nowait()
+        except queue.Empty:
+            return
+        try:
+            done.put((index, fn(job), None))
+        except Exception as exc:  # handed to the caller, which raises it
+            done.put((index, None, exc))
+
+
+def _drain(todo: queue.SimpleQueue) -> None:
+    """Take every job not started off the queue, so that no worker starts it."""
+    while True:
+        try:
+            todo.get_nowait()
+        except queue.Empty:
+            return
+
+
 # ----------------------------------------------------------------------------- rollout generator
 
 class ChatGenerator:
@@ -374,8 +423,7 @@ class ChatGenerator:
         if len(jobs) <= 1 or self.concurrency == 1:
             done = [self._complete(job) for job in jobs]
         else:
-            with ThreadPoolExecutor(min(self.concurrency, len(jobs))) as pool:
-                done = list(pool.map(self._complete, jobs))
+            done = map_in_daemon_threads(self._complete, jobs, self.concurrency)
         outs = [GenOutput(response_ids=[], logprobs=[], finished=False) for _ in prompts]
         for i, c in zip(live, done):
             if c.error:

@@ -155,11 +155,29 @@ def _siblings_along(root: str, hidden: str) -> set[str]:
 
 
 def _allow_reading(libc, ruleset: int, hidden: list[str]) -> None:
-    """Read rights everywhere but beneath `hidden`; the Python path stays readable wherever it is."""
-    keep = [p for p in (*sys.path, sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)
-            if p and os.path.isdir(p)]
-    for path in readable_roots(hidden) | {os.path.realpath(p) for p in keep}:
+    """Read rights everywhere but beneath `hidden`; the Python path and the allowed devices stay
+    readable wherever they are."""
+    for path in readable_roots(hidden) | python_paths(hidden) | set(devices()):
         _allow(libc, ruleset, path, _READ_FILE | (_READ_DIR if os.path.isdir(path) else 0))
+
+
+def python_paths(hidden: list[str]) -> set[str]:
+    """The Python path and prefixes, less any entry that is or holds a hidden path (the working
+    directory `python -m` puts first may be `/` or the home directory)."""
+    covered = [os.path.realpath(h) for h in hidden]
+    found = {os.path.realpath(p) for p in (*sys.path, sys.prefix, sys.exec_prefix, sys.base_prefix,
+                                           sys.base_exec_prefix) if p and os.path.isdir(p)}
+    return {p for p in found if not any(h == p or h.startswith(p.rstrip("/") + "/") for h in covered)}
+
+
+# What a runner may open of /dev (hidden otherwise: loop devices and their control node, whose
+# ioctls a read-only descriptor reaches, terminals, block devices, /dev/shm): the plain character
+# devices and the GPU's nodes
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+
+
+def devices() -> list[str]:
+    return [p for p in (*_DEVICES, *glob.glob("/dev/nvidia*")) if os.path.exists(p)]
 
 
 def _landlock(job_dir: str, report: Confinement, hidden: list[str]) -> None:
@@ -271,13 +289,39 @@ _OUTLIVING = {"x86_64": (248, 249, 250, 29, 272, 308), "aarch64": (217, 218, 219
 _METADATA = {"x86_64": (90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280,
                         188, 189, 190, 197, 198, 199, 463, 466),
              "aarch64": (52, 53, 452, 55, 54, 88, 5, 6, 7, 14, 15, 16, 463, 466)}
+# Watching paths (inotify, fanotify: names and activity inside the hidden directories, which need no
+# read right to watch) and native AIO (io_setup: queued I/O carried out while the runner is stopped)
+_WATCHES = {"x86_64": (254, 300, 301, 206), "aarch64": (27, 262, 263, 0)}
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgRule:
+    """A call allowed only as its argument `arg` (low 32 bits) says: one of `allowed` (when given),
+    else none of `refused` and none of the bits of `no_bits`."""
+    arg: int
+    allowed: tuple[int, ...] = ()
+    refused: tuple[int, ...] = ()
+    no_bits: int = 0
+
+
 # socket(): only internet families, which the runner's own network namespace and Landlock's TCP
 # rules close. A Unix socket bound to a path on the host (a container runtime's, D-Bus, an agent's)
 # is reached by connect(), which no Landlock right covers, and vsock leaves the namespace
 _SOCKET = {"x86_64": 41, "aarch64": 198}
-_SOCKET_FAMILIES = (2, 10)  # AF_INET, AF_INET6 (socketpair, a separate call, stays allowed)
-_ALLOW, _EPERM = 0x7FFF0000, 0x00050001  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
-_LD, _JEQ, _JGE, _RET = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+_SOCKET_RULE = ArgRule(0, allowed=(2, 10))  # AF_INET, AF_INET6
+# fcntl(): no lease (it stalls whoever opens a file the runner can read, up to the lease-break time)
+# and no signal owner or signal (SIGIO sent to another process): F_SETOWN, F_SETSIG, F_SETOWN_EX, F_SETLEASE
+_FCNTL = {"x86_64": 72, "aarch64": 25}
+_FCNTL_RULE = ArgRule(1, refused=(8, 10, 15, 1024))
+# clone() makes no namespace (CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET): a
+# user namespace gives a root runner every capability over its own, the kernel's widest surface.
+# clone3's flags sit in memory a filter cannot read: it answers "no such call" and the C library
+# falls back to clone()
+_CLONE = {"x86_64": 56, "aarch64": 220}
+_CLONE_RULE = ArgRule(0, no_bits=0x7E020000)
+_CLONE3 = {"x86_64": 435, "aarch64": 435}
+_ALLOW, _EPERM, _ENOSYS = 0x7FFF0000, 0x00050001, 0x00050026  # SECCOMP_RET_ALLOW, RET_ERRNO | EPERM, | ENOSYS
+_LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, |JGE|K, |JSET|K, BPF_RET|K
 
 
 class _SockFilter(ctypes.Structure):
@@ -289,18 +333,20 @@ class _SockFprog(ctypes.Structure):
 
 
 def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int, denied: tuple[int, ...] = (),
-                         only: dict[int, tuple[int, tuple[int, ...]]] | None = None) -> list[tuple[int, int, int, int]]:
+                         ruled: dict[int, ArgRule] | None = None,
+                         missing: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) (a jump's offsets count from the next instruction): another
-    architecture's calls and x32 ones refused; `denied` calls refused; each guarded call allowed
-    only when its `which` argument (if any) says a process and its pid argument is 0 or `pid`; each
-    call in `only` ({call: (argument, allowed values)}) allowed only with one of those values;
+    architecture's calls and x32 ones refused; `missing` calls answered "no such call"; `denied`
+    calls refused; each guarded call allowed only when its `which` argument (if any) says a process
+    and its pid argument is 0 or `pid`; each call in `ruled` allowed as its `ArgRule` says;
     everything else allowed. Arguments are read by their low 32 bits (offset 16 + 8 i of
     `struct seccomp_data`)."""
     head = [(_LD, 0, 0, 4), (_JEQ, 1, 0, arch), (_RET, 0, 0, _EPERM),
             (_LD, 0, 0, 0), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _EPERM)]
+    head += [i for nr in missing for i in ((_JEQ, 0, 1, nr), (_RET, 0, 0, _ENOSYS))]
     checks = [_pid_check(pid, *rule) for rule in guarded.values()]
-    checks += [_value_check(*rule) for rule in (only or {}).values()]
-    calls = [*guarded, *(only or {})]
+    checks += [_arg_check(rule) for rule in (ruled or {}).values()]
+    calls = [*guarded, *(ruled or {})]
     # first: each denied call jumps past the rest of them, the dispatch and the final allow, to the
     # refusal after it
     refuse = [(_JEQ, len(denied) - k + len(calls), 0, nr) for k, nr in enumerate(denied)]
@@ -316,21 +362,27 @@ def _pid_check(pid: int, pid_arg: int, which_arg: int | None, which: int) -> lis
                     (_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)]
 
 
-def _value_check(arg: int, values: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
-    """Allow when argument `arg` is one of `values`."""
-    return [(_LD, 0, 0, 16 + 8 * arg), *[(_JEQ, len(values) - i, 0, v) for i, v in enumerate(values)],
-            (_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)]
+def _arg_check(rule: ArgRule) -> list[tuple[int, int, int, int]]:
+    """Load the argument, test it against the rule's values or bits, then the two endings: what
+    falls through (a refusal for an allowlist, an allowance otherwise) first."""
+    steps = [(True, _JEQ, v) for v in rule.allowed] + [(False, _JEQ, v) for v in rule.refused]
+    steps += [(False, _JSET, rule.no_bits)] if rule.no_bits else []
+    allow_at = len(steps) + (2 if rule.allowed else 1)  # index of each ending (the load is index 0)
+    deny_at = len(steps) + (1 if rule.allowed else 2)
+    body = [(code, (allow_at if allow else deny_at) - i - 1, 0, k) for i, (allow, code, k) in enumerate(steps, 1)]
+    ends = [(_RET, 0, 0, _EPERM), (_RET, 0, 0, _ALLOW)] if rule.allowed else [(_RET, 0, 0, _ALLOW), (_RET, 0, 0, _EPERM)]
+    return [(_LD, 0, 0, 16 + 8 * rule.arg), *body, *ends]
 
 
 def refused_calls(machine: str, fixed_cores: bool = False) -> tuple[int, ...]:
     """The calls the filter refuses outright on `machine`."""
     return (_IO_URING_SETUP[machine], _PIDFD_SEND_SIGNAL[machine], *_OUTLIVING[machine], *_METADATA[machine],
-            *((_SETAFFINITY[machine],) if fixed_cores else ()))
+            *_WATCHES[machine], *((_SETAFFINITY[machine],) if fixed_cores else ()))
 
 
-def argument_rules(machine: str) -> dict[int, tuple[int, tuple[int, ...]]]:
-    """The calls the filter allows with some argument values only: {call: (argument, values)}."""
-    return {_SOCKET[machine]: (0, _SOCKET_FAMILIES)}
+def argument_rules(machine: str) -> dict[int, ArgRule]:
+    """The calls the filter allows with some argument values only."""
+    return {_SOCKET[machine]: _SOCKET_RULE, _FCNTL[machine]: _FCNTL_RULE, _CLONE[machine]: _CLONE_RULE}
 
 
 def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:
@@ -342,7 +394,7 @@ def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:
         return
     audit, sys_seccomp, guarded = arch
     prog = _own_process_program(audit, guarded, os.getpid(), refused_calls(machine, fixed_cores),
-                                argument_rules(machine))
+                                argument_rules(machine), (_CLONE3[machine],))
     filters = (_SockFilter * len(prog))(*[_SockFilter(c, jt, jf, k) for c, jt, jf, k in prog])
     fprog = _SockFprog(len(prog), filters)
     # SECCOMP_SET_MODE_FILTER (1) with SECCOMP_FILTER_FLAG_TSYNC (1): every thread of the process
@@ -360,7 +412,7 @@ _HOST_SECRETS = ("/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-",
 def hidden_dirs(workdir: str | None = None) -> list[str]:
     """What a runner may not read: every job's files (the temporary directory they live in, the
     parent of `workdir`), the GPU lock directory, the user's home (tokens, keys, other runs; the
-    Python path beneath it stays readable) and the host's secrets."""
+    Python path beneath it stays readable), /dev but for `devices()`, and the host's secrets."""
     import tempfile
 
     from drkernel.gpushare import lock_dir
@@ -368,7 +420,7 @@ def hidden_dirs(workdir: str | None = None) -> list[str]:
     home = os.path.realpath(os.path.expanduser("~"))
     if home != "/" and os.path.isdir(home):
         hidden.append(home)
-    return hidden + [p for p in _HOST_SECRETS if os.path.lexists(p)]
+    return hidden + ["/dev"] + [p for p in _HOST_SECRETS if os.path.lexists(p)]
 
 
 def probe() -> dict:

@@ -14,6 +14,8 @@ import errno
 import json
 import math
 import os
+import shutil
+import time
 import types
 import typing
 from pathlib import Path
@@ -225,3 +227,18 @@ def rewrite_jsonl(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) ->
         for row in rows:
             writer.write(row)
     os.replace(tmp, path)
+
+
+def backup_path(path: str | os.PathLike) -> Path:
+    """Where an old row file is moved or copied aside, never destroyed: `<stem>.<time>.jsonl.bak` beside it."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.{time.strftime('%Y%m%d-%H%M%S')}.jsonl.bak")
+
+
+def rewrite_keeping_backup(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> Path:
+    """`path` rewritten with `rows` (`rewrite_jsonl`) once the old file is copied aside (returned): the
+    lines a reader drops as unusable may be something else than cut rows, and are never destroyed."""
+    backup = backup_path(path)
+    shutil.copyfile(path, backup)
+    rewrite_jsonl(path, rows)
+    return backup

@@ -14,7 +14,8 @@ Training runs (RL and SFT): `write_run_report(output_dir, title)` reads the run'
 `metrics.jsonl` (and, for RL, the verdicts in `rollouts/step_N.jsonl`), prints one table
 row per step and writes `report.md` and `training_curves.png` (reward, compiled / correct /
 fast_1 / Triton share, hack rate by code, loss, learning rate, seconds per phase) into
-`output_dir`.
+`output_dir`. A line of metrics.jsonl that holds no step is skipped and named on stderr, and a run
+with no step to report says so there instead of writing nothing silently.
 """
 
 from __future__ import annotations
@@ -22,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
 from drkernel import metrics
 from drkernel.config import output_problem
-from drkernel.jsonl import finite, read_jsonl, write_json
+from drkernel.jsonl import finite, first_reasons, iter_jsonl, read_jsonl, write_json
 
 MAX_SKIPPED_ROWS = 100  # skipped inputs listed in report.md
 REPORT_FILES = ("summary.json", "fast_p_curve.png", "speedup_hist.png", "per_turn.png", "report.md")
@@ -258,6 +260,7 @@ def write_report(summary: dict, rows: Iterable[dict], output_dir: str | os.PathL
 # ======================================================================================
 
 RUN_PLOT = "training_curves.png"
+METRICS = "metrics.jsonl"  # what a training run logs, one row per step (drkernel.runtime.MetricsLogger)
 MAX_TABLE_ROWS = 20  # longer runs show evenly spaced steps (all of them are in metrics.jsonl)
 COMPILED = "compiled"  # share of turns whose code compiled (from the rollout dump)
 HACKED = "hacked"  # share of turns flagged with any hack code
@@ -309,6 +312,7 @@ class RunHistory:
 
     steps: list[int]
     series: dict[str, list[float | None]]
+    skipped: list[str] = dataclasses.field(default_factory=list)  # "line N: why" per metrics.jsonl line not read
 
     def has(self, key: str) -> bool:
         return any(v is not None for v in self.series.get(key, ()))
@@ -333,14 +337,26 @@ def _turn_rates(rollout_rows: list[dict]) -> dict[str, float]:
     return rates
 
 
-def load_run_history(output_dir: str | os.PathLike) -> RunHistory:
-    """metrics.jsonl (a step logged twice, by a resumed run, keeps its last row) plus the compile
-    and hack rates of each step's rollout dump (RL with `dump_rollouts`)."""
-    out = Path(output_dir)
+def _step_rows(path: Path) -> tuple[dict[int, dict], list[str]]:
+    """{step: its row} of a metrics.jsonl (a step logged twice, by a resumed run, keeps its last
+    row), and "line N: why" for each line that is not a step's row."""
     by_step: dict[int, dict] = {}
-    for row in read_jsonl(out / "metrics.jsonl")[0]:
-        if finite(row.get("step")) is not None:
-            by_step[int(row["step"])] = row
+    skipped = []
+    for line in iter_jsonl(path):
+        if line.row is None:
+            skipped.append(f"line {line.lineno}: {line.error}")
+        elif finite(line.row.get("step")) is None:
+            skipped.append(f"line {line.lineno}: no step number")
+        else:
+            by_step[int(line.row["step"])] = line.row
+    return by_step, skipped
+
+
+def load_run_history(output_dir: str | os.PathLike) -> RunHistory:
+    """metrics.jsonl (`_step_rows`) plus the compile and hack rates of each step's rollout dump
+    (RL with `dump_rollouts`)."""
+    out = Path(output_dir)
+    by_step, skipped = _step_rows(out / METRICS)
     steps = sorted(by_step)
     records = []
     for step in steps:
@@ -348,7 +364,7 @@ def load_run_history(output_dir: str | os.PathLike) -> RunHistory:
         record.update(_turn_rates(read_jsonl(out / "rollouts" / f"step_{step}.jsonl")[0]))
         records.append(record)
     keys = dict.fromkeys(k for r in records for k in r)
-    return RunHistory(steps, {k: [_value(r, k) for r in records] for k in keys})
+    return RunHistory(steps, {k: [_value(r, k) for r in records] for k in keys}, skipped)
 
 
 def _value(record: dict, key: str) -> float | None:
@@ -436,10 +452,13 @@ def _markdown(lines: Sequence[Sequence[str]]) -> list[str]:
 
 def write_run_report(output_dir: str | os.PathLike, title: str) -> dict[str, Path]:
     """Print the step table of a training run and write report.md and training_curves.png next
-    to its metrics.jsonl; returns {name: path} (empty when no step was logged)."""
+    to its metrics.jsonl; returns {name: path} (empty when no step was logged, said on stderr)."""
     out = Path(output_dir)
     history = load_run_history(out)
+    if history.skipped:
+        _warn(unread_lines(out, history))
     if not history.steps:
+        _warn(f"no report written in {out}: {_no_steps(out / METRICS)}")
         return {}
     lines = run_table(history)
     _plot_run(history, title, out / RUN_PLOT)
@@ -450,3 +469,20 @@ def write_run_report(output_dir: str | os.PathLike, title: str) -> dict[str, Pat
     print("\n".join([f"{title}{shown}:", *aligned(lines),
                      f"report: {out / 'report.md'}  plots: {out / RUN_PLOT}"]), flush=True)
     return {"report.md": out / "report.md", RUN_PLOT: out / RUN_PLOT}
+
+
+def unread_lines(output_dir: Path, history: RunHistory) -> str:
+    """The line naming the lines of `output_dir`'s metrics.jsonl that `history` skipped."""
+    return (f"{output_dir / METRICS}: skipped {len(history.skipped)} line(s) that hold no step: "
+            f"{first_reasons(history.skipped)}")
+
+
+def _no_steps(path: Path) -> str:
+    """Why a run's metrics file gives no step to report."""
+    if not path.is_file():
+        return f"there is no {path.name}"
+    return f"{path.name} holds no step's row"
+
+
+def _warn(line: str) -> None:
+    print(f"[report] warning: {line}", file=sys.stderr, flush=True)

@@ -3,7 +3,9 @@
 RL (`drkernel.trainer`) and SFT (`drkernel.sft`) both run under one `accelerate.Accelerator`
 and leave the same things behind in `output_dir`:
 
-    metrics.jsonl                 one JSON object per optimiser step (rank 0 writes it)
+    metrics.jsonl                 one JSON object per optimiser step (rank 0 writes it; a resumed
+                                  run first drops the lines a kill left unreadable, e.g. a cut last
+                                  line, keeping the old file as metrics.<time>.jsonl.bak)
     logs/                         the Accelerate trackers' files (TensorBoard by default)
     checkpoint-<step>/            accelerator.save_state (model, optimizer, scheduler, RNG of every
                                   rank) + trainer_state.json (step, data position, the state
@@ -32,6 +34,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import sys
 import zipfile
 from pathlib import Path
@@ -40,7 +43,7 @@ from typing import Any, Sequence, TypeVar
 from drkernel.config import (BELOW_1, COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, ModelSelection, Names,
                              changed_settings, comma_items, error_line, limit_problems, load_config,
                              output_problem, shown_path)
-from drkernel.jsonl import json_safe
+from drkernel.jsonl import first_reasons, iter_jsonl, json_safe, rewrite_keeping_backup
 
 T = TypeVar("T")
 TRAINER_STATE = "trainer_state.json"
@@ -201,6 +204,7 @@ class MetricsLogger:
         self.path = Path(output_dir) / "metrics.jsonl"
         if self.acc.is_main_process:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            drop_unreadable_lines(self.path)  # else the next row is glued to a cut last line and lost
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": int(step)}
@@ -216,6 +220,19 @@ class MetricsLogger:
     def close(self) -> None:
         # also destroys the process group: a rank exiting with gloo/NCCL threads alive can abort
         self.acc.end_training()
+
+
+def drop_unreadable_lines(path: Path) -> None:
+    """Rewrite the JSONL file `path` without its lines that hold no JSON object (a run killed
+    mid-write leaves its last line cut), said in one line on stderr; the old file is copied aside
+    first, as `<stem>.<time>.jsonl.bak`, and the new one replaces it atomically."""
+    lines = list(iter_jsonl(path))
+    bad = [f"line {line.lineno}: {line.error}" for line in lines if line.row is None]
+    if not bad:
+        return
+    backup = rewrite_keeping_backup(path, [line.row for line in lines if line.row is not None])
+    say(f"[drkernel] {shown_path(path)}: dropped {len(bad)} unreadable line(s) (the old file is kept as "
+        f"{backup.name}): {first_reasons(bad)}")
 
 
 def _numbered(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -277,8 +294,6 @@ def save_checkpoint(accelerator, model, tokenizer, cfg: RunConfig, step: int,
         with open(path / TRAINER_STATE, "w") as fh:  # written last: marks the checkpoint complete
             json.dump({"step": int(step), **state, STATE_FILES: _state_files(path)}, fh, indent=1)
         if cfg.save_total_limit > 0:
-            import shutil
-
             for old in checkpoints(cfg.output_dir)[:-cfg.save_total_limit]:
                 shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()

@@ -35,6 +35,10 @@ hacked turns dropped (the trajectory ends before them) and de-duplication by ker
 A row answers the selected task of its (level, problem_id) only when it names that task
 (`Task.row_problem`, the rule generate.py's resume and summary apply too); any other is skipped and
 named, so a file written for another task set never pairs one task's prompt with another's answer.
+A trajectory's rows must be its turns 0..k, each once (generate.py's 0-based turns): one that
+repeats a turn (e.g. the outputs of several runs concatenated) or lacks one is skipped whole and
+named, as which rows belong together is unknown; it is never stitched into a conversation that no
+run had. Keep one run's rows per (level, problem_id, sample) to convert them.
 A file from which no conversation is kept is an error (exit status 2, no output written), as is a
 `--min_speedup` of 0 or less (a speedup is a ratio of times).
 
@@ -363,7 +367,9 @@ class ConvertConfig(TaskSelection):
     LIMITS = {"min_reward": FINITE, "min_speedup": POSITIVE}
 
     generations: str = dataclasses.field(default="", metadata={
-        "help": "generate.py's JSONL: one row per (level, problem_id, sample, turn)"})
+        "help": "generate.py's JSONL: one row per (level, problem_id, sample, turn); a trajectory whose "
+                "turns are not 0..k, each in one row (e.g. several runs' files concatenated), is skipped "
+                "and named"})
     out: str = dataclasses.field(default="outputs/sft.jsonl", metadata={"help": "the SFT rows written (JSONL)"})
     min_reward: float | None = dataclasses.field(default=None, metadata={
         "help": "a turn qualifies if correct, not hacked, and its reward is at least this"})
@@ -413,7 +419,11 @@ class ConvertStats:
     truncated_at_hack: int = 0  # trajectories cut before a hacked turn
     below_threshold: int = 0  # trajectories without a qualifying turn
     duplicates: int = 0  # the same final kernel as a kept trajectory of the problem with a higher reward
+    repeated_turns: int = 0  # trajectories with a turn in several rows (several runs' files concatenated)
+    turn_gaps: int = 0  # trajectories whose turns are not 0..k
     skipped: list[str] = dataclasses.field(default_factory=list)  # "row N: why" per unusable row or line
+    # "level L problem P sample S: why" per trajectory skipped whole (repeated_turns, turn_gaps)
+    skipped_trajectories: list[str] = dataclasses.field(default_factory=list)
 
 
 _ROW_KEYS = ("level", "problem_id", "sample", "turn")  # counts that place a row in its trajectory
@@ -449,6 +459,21 @@ def _trajectories(rows: Iterable[dict], by_key: Mapping[tuple[int, int], Task],
     return trajs
 
 
+def _turn_problem(turns: list[dict], stats: ConvertStats) -> str | None:
+    """Why a trajectory's rows are not one conversation, its turns 0..k each once, counted in `stats`
+    (None: they are). Which of several rows of one turn belongs with the others is unknown, so such a
+    trajectory is skipped whole rather than stitched from several runs."""
+    numbers = sorted(r["turn"] for r in turns)
+    repeated = sorted({n for n in numbers if numbers.count(n) > 1})
+    if repeated:
+        stats.repeated_turns += 1
+        return f"turn(s) {', '.join(map(str, repeated))} in several rows (several runs' files concatenated?)"
+    if numbers != list(range(len(numbers))):
+        stats.turn_gaps += 1
+        return f"turns {', '.join(map(str, numbers))} are not 0..{len(numbers) - 1}"
+    return None
+
+
 def _before_hack(turns: list[dict], stats: ConvertStats) -> list[dict]:
     """The turns before the first hacked one."""
     for t, r in enumerate(turns):
@@ -460,8 +485,8 @@ def _before_hack(turns: list[dict], stats: ConvertStats) -> list[dict]:
 
 
 def _conversation(task, turns: list[dict], good: list[int], train_failed_turns: bool) -> list[dict]:
-    """The task prompt, then each turn's answer and the feedback on it (the answers of `good` turns
-    trained, the others only with `train_failed_turns`)."""
+    """The task prompt, then each turn's answer and the feedback on it, numbered from 1 as the rollout
+    does (the answers of `good` turns trained, the others only with `train_failed_turns`)."""
     from drkernel.prompts import feedback_message, first_turn_messages
 
     messages = first_turn_messages(task)
@@ -471,7 +496,7 @@ def _conversation(task, turns: list[dict], good: list[int], train_failed_turns: 
             msg["weight"] = 1 if t in good else 0
         messages.append(msg)
         if t < len(turns) - 1:
-            messages.append({"role": "user", "content": feedback_message(_result_of(r), r["turn"])})
+            messages.append({"role": "user", "content": feedback_message(_result_of(r), t + 1)})
     return messages
 
 
@@ -497,7 +522,8 @@ def generations_to_sft(rows: Iterable[dict], tasks: Sequence[Task], min_reward: 
     """Rejection-sampled distillation from generation rows.
 
     A row that does not name the selected task of its (level, problem_id) (`Task.row_problem`) is
-    skipped and named. Per trajectory (level, problem_id, sample), turns in order:
+    skipped and named, and so is a trajectory (level, problem_id, sample) whose turns are not 0..k,
+    each in one row (`_turn_problem`). Per trajectory, turns in order:
     - a hacked turn and everything after it are dropped;
     - the trajectory is kept only if some remaining turn qualifies (correct, not hacked,
       reward >= min_reward, speedup >= min_speedup), and it ends at its last qualifying turn;
@@ -520,6 +546,9 @@ def generations_to_sft(rows: Iterable[dict], tasks: Sequence[Task], min_reward: 
         task = by_key.get((level, pid))
         if task is None:
             stats.missing_task += 1
+            continue
+        if problem := _turn_problem(turns, stats):
+            stats.skipped_trajectories.append(f"level {level} problem {pid} sample {sample}: {problem}")
             continue
         turns = _before_hack(sorted(turns, key=lambda r: r["turn"]), stats)
         good = [t for t, r in enumerate(turns) if _qualifies(r, min_reward, min_speedup)]
@@ -583,11 +612,13 @@ def _generations_problem(generations: str) -> str | None:
 def _none_kept(stats: ConvertStats) -> str:
     """Why no conversation was kept: what the trajectories and rows were, then the first skipped rows."""
     counts = {"trajectory(ies)": stats.trajectories, "of no selected task": stats.missing_task,
+              "with a turn in several rows": stats.repeated_turns, "with turns not 0..k": stats.turn_gaps,
               "without a qualifying turn": stats.below_threshold, "unusable row(s)": len(stats.skipped)}
     text = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
     if not text:
         return "the file holds no rows"
-    return text + (f": {first_reasons(stats.skipped)}" if stats.skipped else "")
+    reasons = stats.skipped + stats.skipped_trajectories
+    return text + (f": {first_reasons(reasons)}" if reasons else "")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -603,6 +634,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if stats.skipped:
         print(f"drkernel.sft_data: {cfg.generations}: skipped {len(stats.skipped)} unusable row(s): "
               f"{first_reasons(stats.skipped)}", file=sys.stderr)
+    if stats.skipped_trajectories:
+        print(f"drkernel.sft_data: {cfg.generations}: skipped {len(stats.skipped_trajectories)} trajectory(ies) "
+              f"whose rows are not one run's turns 0..k: {first_reasons(stats.skipped_trajectories)}", file=sys.stderr)
     print(json.dumps({"out": cfg.out, **dataclasses.asdict(stats)}))
     return 0
 

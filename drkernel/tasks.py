@@ -197,6 +197,18 @@ def _integer(value, what: str) -> int:
     return int(value)
 
 
+def check_distinct_ids(tasks: Sequence[Task]) -> None:
+    """TaskError naming both files when two tasks share a level and problem id: results are keyed
+    by them (`Task.key`), so one task would silently hide the other."""
+    first: dict[str, Task] = {}
+    for task in tasks:
+        if task.key in first:
+            raise TaskError(f"{first[task.key].source} and {task.source} both are problem {task.problem_id} of "
+                            f"level {task.level} (a file's problem id is the number its name starts with, else 0); "
+                            f"results are keyed by it: renumber or remove one")
+        first[task.key] = task
+
+
 def is_dataset(spec: str) -> bool:
     """Whether a task-set spec names a KernelBench dataset (split into levels), not our bundled
     problems, one .py file or a folder of them."""
@@ -224,8 +236,9 @@ def load_tasks(spec: str = "bundled", levels: Sequence[int] = (1,),
         tasks = [load_task_file(p) for p in sorted(path.glob("*.py"))]
         if problem_ids:
             tasks = [t for t in tasks if t.problem_id in set(problem_ids)]
+        check_distinct_ids(tasks)
         return tasks
     out: list[Task] = []
-    for level in levels:
+    for level in dict.fromkeys(levels):  # a level named twice is loaded once: its tasks would repeat
         out.extend(load_kernelbench(spec, level, problem_ids))
     return out

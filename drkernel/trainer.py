@@ -114,13 +114,17 @@ class Trainer:
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> list[dict]:
-        """Run until `max_steps`; returns the logged metrics of this process's steps."""
+        """Run until `max_steps`, then save final/ and write the report (from metrics.jsonl, so also
+        when a resumed run had no step left); returns the logged metrics of this process's steps."""
         from tqdm.auto import tqdm
 
         from drkernel.report import write_run_report
 
         cfg = self.cfg
         history = []
+        if self.step >= cfg.max_steps:
+            self._print(f"resumed at step {self.step} with max_steps {cfg.max_steps}: no step to run; "
+                        f"saving final/ and writing the report")
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="rl", disable=not self.acc.is_main_process,
                    dynamic_ncols=True)
         saved_at = self.step
@@ -140,12 +144,11 @@ class Trainer:
                                 correct=f"{metrics['correct']:.2f}")
             if saved_at != self.step:
                 self.save()
-            if history:
-                save_model(self.acc, self.model, self.tokenizer, Path(cfg.output_dir) / "final")
+            save_model(self.acc, self.model, self.tokenizer, Path(cfg.output_dir) / "final")
         finally:
             bar.close()
             self.close()
-        if history and self.acc.is_main_process:
+        if self.acc.is_main_process:
             write_run_report(cfg.output_dir, f"RL run: {cfg.output_dir}")
         return history
 

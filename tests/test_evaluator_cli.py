@@ -48,15 +48,16 @@ def last_json(out: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_underscore_and_dashed_spellings_reach_the_config(fake, capsys):
+def test_underscore_and_dashed_spellings_reach_the_config(fake, capsys, tmp_path):
+    cache = str(tmp_path / "cache")
     code = evaluator.main([*FILES, "--device", "cpu", "--perf_trials", "7", "--cpu-perf-trials", "2",
                            "--warmup", "0", "--max_rss_mb", "512", "--atol", "0.5", "--rtol_fp32", "0.25",
                            "--profile", "false", "--no-second-distribution", "--require_triton", "false",
-                           "--require-confinement", "false", "--cache_dir", "/tmp/x", "--seed", "3"])
+                           "--require-confinement", "false", "--cache_dir", cache, "--seed", "3"])
     assert code == 0
     (cfg,) = fake.configs
     assert (cfg.perf_trials, cfg.cpu_perf_trials, cfg.warmup, cfg.max_rss_mb, cfg.seed) == (7, 2, 0, 512, 3)
-    assert (cfg.atol_fp32, cfg.rtol_fp32, cfg.cache_dir) == (0.5, 0.25, "/tmp/x")
+    assert (cfg.atol_fp32, cfg.rtol_fp32, cfg.cache_dir) == (0.5, 0.25, cache)
     assert not (cfg.profile or cfg.second_distribution or cfg.require_triton or cfg.require_confinement)
     assert cfg.trials == EvalConfig().trials  # an unset flag keeps the dataclass default
     assert "verdict: correct" in capsys.readouterr().out

@@ -142,8 +142,7 @@ def test_resume_after_kill_writes_only_missing_rows(tmp_path, tiny_model_dir, fa
     turns_at = args.index("--num_turns") + 1
     # another --num_turns would mix turn numbering
     assert _usage_error(capsys, args[:turns_at] + ["3"] + args[turns_at + 1:]).endswith(
-        "--num_turns 2 or another STTS window, not --num_turns 3 --stts_window 4 (row 1); "
-        "pass another --output or --resume false")
+        f"{out} was written with --num_turns 2, not --num_turns 3 (row 1); pass another --output or --resume false")
     assert calls == [] and _lines(out) == lines
 
 
@@ -509,6 +508,32 @@ def test_api_transient_failure_is_retried_with_a_message(tmp_path, server, fake_
     assert summary["generation_failures"] == 0 and summary["num_missing"] == 0
 
 
+def test_ctrl_c_during_requests_to_a_hung_endpoint_exits_130_at_once(tmp_path, server):
+    """Several requests in flight, none answered: SIGINT must not wait for them (a pool's exit joins
+    its workers, up to api_timeout x api_max_attempts later)."""
+    server.failures, server.hang_s = ["hang"] * 20, 120.0
+    args = _api_args(server, tmp_path / "g.jsonl", "--api_timeout", "100")
+    args[args.index("--samples_per_task") + 1] = "3"
+    cmd = [sys.executable, str(ROOT / "generate.py"), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(server.requests) < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(server.requests) == 3, proc.stderr.read() if proc.poll() is not None else "no requests"
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        assert proc.wait(timeout=15) == 130
+        assert time.monotonic() - sent < 10
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.stderr.close()
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1] == ("generate.py: interrupted; the rows of finished batches are in --output; "
+                                    "rerun the same command to resume")
+
+
 def test_api_request_that_keeps_failing_is_recorded_and_retried_on_resume(tmp_path, server, fake_eval, capsys):
     task2 = load_bundled([2])[0]
     server.fail_prompt = first_turn_messages(task2)
@@ -579,6 +604,78 @@ def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, 
     assert "holds no generate.py row (line 1: lacks level, problem_id, task and " in _usage_error(
         capsys, args[:-1] + [str(foreign)])
     assert foreign.read_text() == '{"a": 1}\n{"b": 2}\n' and len(policy.earlier) == 2
+
+
+def test_resume_refuses_rows_of_another_baseline_and_reuses_rows_that_predate_it(tmp_path, fake_eval,
+                                                                                counting_policy, capsys):
+    """Speedups against the eager reference and against torch.compile are two experiments."""
+    out, args = _generated(tmp_path, "1", 1)
+    row = _rows(out)[0]
+    assert row["settings"]["baseline"] == "eager"
+    assert _usage_error(capsys, args + ["--baseline", "compile"]) == (
+        f"generate.py: error: {out} was written with other settings (baseline 'eager' -> 'compile': the file's "
+        f"value, then this run's); pass the same values, or pass another --output or --resume false")
+    del row["settings"]["baseline"]  # a file written before the baseline was recorded stays usable
+    out.write_text(json.dumps(row) + "\n")
+    summary = generate.main(args + ["--baseline", "compile"])
+    assert len(counting_policy.earlier) == 1 and summary["generated_this_run"] == 0 and _rows(out) == [row]
+
+
+@pytest.mark.parametrize("written, now, difference", [
+    (["--stts_window", "1"], ["--stts_window", "1", "--stts_window_counts", "false"],
+     "--stts_window_counts true (a window of 1 or more counted toward --num_turns), not --stts_window_counts false"),
+    (["--stts_window", "1", "--stts_window_counts", "false"], ["--stts_window", "1"],
+     "--stts_window_counts false or --stts_window 0, not --stts_window_counts true --stts_window 1"),
+    (["--num_turns", "3", "--stts_window", "1"], ["--num_turns", "3", "--stts_window", "2"],
+     "--stts_window 1, not --stts_window 2"),
+])
+def test_resume_with_another_stts_plan_names_the_option_that_differs(tmp_path, fake_eval, counting_policy, capsys,
+                                                                     written, now, difference):
+    """Rows record --num_turns and each round's new turns: a later round tells the STTS option apart."""
+    out = tmp_path / "g.jsonl"
+    base = ["--problem_ids", "1", "--num_turns", "2", "--stts_iterations", "2", "--device", "cpu", "--output", str(out)]
+    generate.main(base + written)
+    rows = _rows(out)
+    first_of_round_1 = [r["iteration"] for r in rows].index(1) + 1  # round 0 holds --num_turns turns either way
+    assert _usage_error(capsys, base + now) == (
+        f"generate.py: error: {out} was written with {difference} (row {first_of_round_1}); pass another "
+        f"--output or --resume false")
+    assert _rows(out) == rows
+
+
+class DownPolicy:
+    """An endpoint that fails every request: the run stops (status 1)."""
+
+    def complete(self, messages, cfg, seed=None, label="request"):
+        raise api_policy.ApiError("the endpoint is down")
+
+
+def test_a_resume_that_fails_after_dropping_rows_leaves_no_stale_summary(tmp_path, fake_eval, counting_policy, capsys,
+                                                                         monkeypatch):
+    out, args = _generated(tmp_path, "1,2", 1)
+    lines = _lines(out)
+    report_summary = generate.report_dir(out) / "summary.json"
+    for path in (generate.summary_path(out), report_summary):
+        assert json.loads(path.read_text())["num_missing"] == 0
+    out.write_text(lines[0] + "\n" + lines[1][:30])  # killed while writing task 2's row
+    monkeypatch.setattr(generate, "load_policy", lambda cfg, device: _scripted_policy(DownPolicy()))
+    assert "the endpoint is down" in _usage_error(capsys, args, status=1)
+    assert _lines(out) == lines[:1]
+    for path in (generate.summary_path(out), report_summary):  # what the file holds now: task 2 is missing
+        summary = json.loads(path.read_text())
+        assert summary["num_missing"] == 1 and summary["num_samples"] == 2, path
+
+
+def test_a_one_line_output_that_is_no_row_is_kept_aside_not_destroyed(tmp_path, fake_eval, counting_policy, capsys):
+    out = tmp_path / "g.jsonl"
+    garbage = bytes(range(256)).replace(b"\n", b"").replace(b"\r", b"")
+    out.write_bytes(garbage)
+    generate.main(["--problem_ids", "1", "--num_turns", "1", "--device", "cpu", "--output", str(out)])
+    (backup,) = tmp_path.glob("g.*.jsonl.bak")
+    assert backup.read_bytes() == garbage
+    assert f"skipped 1 unusable line(s) (a killed run leaves its last line cut): line 1: not UTF-8 text (byte 127); " \
+           f"the old file is kept as {backup.name}" in capsys.readouterr().err
+    assert [r["task_key"] for r in _rows(out)] == ["0_1"]
 
 
 def test_resume_keeps_the_last_row_of_a_duplicated_turn_and_says_so(tmp_path, fake_eval, counting_policy, capsys):
@@ -736,7 +833,9 @@ def test_stts_end_to_end_with_real_evaluator(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             generate.run(dataclasses.replace(cfg, stts_window_counts=False), [task], _scripted_policy(again),
                          generate.make_evaluate_fn(ev, ref_dir))
-        assert exc.value.code == 2 and "another STTS window" in capsys.readouterr().err
+        assert exc.value.code == 2
+        assert ("was written with --stts_window_counts true (a window of 1 counted toward --num_turns), not "
+                "--stts_window_counts false (row 4)") in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -84,8 +84,14 @@ def test_sft_run_report_has_the_columns_sft_logs(tmp_path, capsys):
     assert (tmp_path / report.RUN_PLOT).read_bytes()[:8] == PNG
 
 
-def test_no_steps_no_report(tmp_path):
+def test_no_steps_no_report_and_it_says_why(tmp_path, capsys):
     assert report.write_run_report(tmp_path, "empty") == {}
+    assert f"no report written in {tmp_path}: there is no metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": null}\n{"step": 1, "loss"')  # the only step's row cut
+    assert report.write_run_report(tmp_path, "cut") == {}
+    err = capsys.readouterr().err
+    assert "skipped 2 line(s) that hold no step: line 1: no step number; line 2: not a JSON object" in err
+    assert f"no report written in {tmp_path}: metrics.jsonl holds no step's row" in err
     assert not (tmp_path / "report.md").exists()
 
 

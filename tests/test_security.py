@@ -169,6 +169,97 @@ def test_a_confined_process_changes_no_files_metadata_and_reaches_no_unix_socket
     assert (after.st_mode, after.st_mtime_ns) == (before.st_mode, before.st_mtime_ns)
 
 
+def _confined_namespaces_leases_and_watches(path: str) -> list:
+    """Under the seccomp layer alone: [installed, clone(CLONE_NEWUSER) errno, clone3 errno, a thread
+    and a fork still work, F_SETLEASE and F_GETFL on a file, inotify_add_watch]."""
+    import threading
+    libc = ctypes.CDLL(None, use_errno=True)
+    report = confine.Confinement()
+    confine._own_process_only(report)
+    out: list = [report.own_process_only]
+    pid = libc.syscall(56, 0x10000000 | 17, 0, 0, 0, 0)  # clone(CLONE_NEWUSER | SIGCHLD)
+    if pid == 0:  # pragma: no cover - a child made despite the filter
+        os._exit(0)
+    out.append(ctypes.get_errno() if pid < 0 else 0)
+    args = ctypes.create_string_buffer(88)
+    out.append(ctypes.get_errno() if libc.syscall(435, args, 88) < 0 else 0)
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the forked child only exits
+        os._exit(7)
+    out.append(os.waitpid(child, 0)[1] >> 8)
+    fd = os.open(path, os.O_RDONLY)
+    import fcntl
+    out.append(_succeeds(lambda: fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)))
+    out.append(_succeeds(lambda: fcntl.fcntl(fd, fcntl.F_GETFL)))
+    ifd = libc.inotify_init1(0)
+    out.append(libc.inotify_add_watch(ifd, os.path.dirname(path).encode(), 0xFFF) >= 0)
+    return out
+
+
+def test_a_confined_process_makes_no_namespace_lease_or_watch(tmp_path):
+    """clone() with a namespace flag (a user namespace gives a root runner every capability over
+    its own: the kernel's widest surface; only unshare was refused), clone3 (its flags cannot be
+    read: "no such call", and the C library falls back to clone), a lease on a file it can read (the
+    trainer's next open of it stalls up to the lease-break time) and a watch on a directory it may
+    not read (inotify needs no read right) are refused; threads and fork still work."""
+    if platform.machine() != "x86_64":
+        pytest.skip("the probe uses x86_64 call numbers")
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("{}\n")
+    got = _in_a_child(_confined_namespaces_leases_and_watches, str(path))
+    assert got == f"[True, {errno.EPERM}, {errno.ENOSYS}, 7, False, True, False]", got
+
+
+def _confined_device_opens(job, shm_file: str) -> list[bool]:
+    """Confined as a runner (hidden_dirs): [complete, read /dev/urandom, open /dev/null for writing,
+    open /dev/loop-control, read a file in /dev/shm]."""
+    report = confine.Confinement()
+    confine.enter_network_namespace(report)
+    confine.restrict(str(job), report, confine.hidden_dirs(str(job)))
+
+    def read(path: str) -> None:
+        with open(path, "rb") as fh:
+            fh.read(1)
+
+    return [report.complete, _succeeds(lambda: read("/dev/urandom")),
+            _succeeds(lambda: open("/dev/null", "w").close()), _succeeds(lambda: read("/dev/loop-control")),
+            _succeeds(lambda: read(shm_file))]
+
+
+def test_a_runner_opens_no_device_but_the_plain_ones_and_the_gpus(tmp_path):
+    """Read rights reach ioctls: a read-only descriptor of /dev/loop-control makes loop devices that
+    outlive the job (and swap what a host's read-only loop device reads), one of a terminal turns
+    its echo off; /dev/shm holds other processes' shared memory. /dev is hidden but for null, zero,
+    full, the random devices and /dev/nvidia*."""
+    if not os.path.exists("/dev/loop-control") or not os.path.isdir("/dev/shm"):
+        pytest.skip("this host has no /dev/loop-control or /dev/shm")
+    shm_file = f"/dev/shm/drk_probe_{os.getpid()}"
+    with open(shm_file, "w") as fh:
+        fh.write("the trainer's shared tensor")
+    job = tmp_path / "job"
+    job.mkdir()
+    try:
+        got = _in_a_child(_confined_device_opens, job, shm_file)
+    finally:
+        os.unlink(shm_file)
+    assert got == "[True, True, True, False, False]", got
+
+
+def test_the_python_path_keeps_no_entry_that_holds_a_hidden_directory(tmp_path, monkeypatch):
+    """`python -m` from `/` or from the home directory puts it first on the Python path: kept
+    readable, it would undo every hidden directory; an entry inside one stays readable."""
+    home, tmp = tmp_path / "home", tmp_path / "tmp"
+    (home / "project").mkdir(parents=True)
+    tmp.mkdir()
+    monkeypatch.setattr(confine.sys, "path", ["/", str(home), str(home / "project"), str(tmp_path)])
+    kept = confine.python_paths([str(home), str(tmp)])
+    assert str(home / "project") in kept
+    assert not {"/", str(home), str(tmp_path)} & kept, kept
+
+
 SIBLING_LOCKOUT = relu_candidate("return launch(x)", extra="""
     import os
     _job = os.path.dirname(os.getcwd())  # <job>/runner<k>: the other candidates' directories beside it
@@ -516,11 +607,12 @@ def _bpf_verdict(prog: list, nr: int, args: list[int], arch: int) -> str:
         code, jt, jf, k = prog[pc]
         assert max(jt, jf) < 256  # 8-bit jump offsets
         if code == confine._RET:
-            return "allow" if k == confine._ALLOW else "refused"
+            return {confine._ALLOW: "allow", confine._ENOSYS: "absent"}.get(k, "refused")
         if code == confine._LD:
             acc, pc = data.get(k, 0), pc + 1
         else:
-            pc += 1 + (jt if (acc == k if code == confine._JEQ else acc >= k) else jf)
+            taken = {confine._JEQ: acc == k, confine._JGE: acc >= k, confine._JSET: acc & k != 0}[code]
+            pc += 1 + (jt if taken else jf)
 
 
 @pytest.mark.parametrize("machine", sorted(confine._SECCOMP_ARCHES))
@@ -533,7 +625,8 @@ def test_the_seccomp_program_of_every_architecture(machine, fixed_cores):
     audit, _, guarded = confine._SECCOMP_ARCHES[machine]
     io_uring = confine._IO_URING_SETUP[machine]
     denied = confine.refused_calls(machine, fixed_cores)
-    prog = confine._own_process_program(audit, guarded, 4242, denied, confine.argument_rules(machine))
+    prog = confine._own_process_program(audit, guarded, 4242, denied, confine.argument_rules(machine),
+                                        (confine._CLONE3[machine],))
     for nr in confine._OUTLIVING[machine]:  # keys, SysV shared memory, namespaces
         assert _bpf_verdict(prog, nr, [0] * 6, audit) == "refused", nr
     assert _bpf_verdict(prog, confine._PIDFD_SEND_SIGNAL[machine], [3, 9], audit) == "refused"
@@ -545,6 +638,14 @@ def test_the_seccomp_program_of_every_architecture(machine, fixed_cores):
         assert _bpf_verdict(prog, nr, [0] * 6, audit) == "refused", nr
     for family, want in ((1, "refused"), (40, "refused"), (16, "refused"), (2, "allow"), (10, "allow")):
         assert _bpf_verdict(prog, confine._SOCKET[machine], [family, 1, 0], audit) == want, family
+    for cmd, want in ((1024, "refused"), (8, "refused"), (15, "refused"), (10, "refused"), (3, "allow"), (2, "allow")):
+        assert _bpf_verdict(prog, confine._FCNTL[machine], [5, cmd], audit) == want, cmd  # F_SETLEASE... F_GETFL
+    fork, thread = 0x01200011, 0x003D0F00  # glibc's fork(); pthread_create's flags
+    for flags, want in ((fork, "allow"), (thread, "allow"), (fork | 0x10000000, "refused"), (0x40000000 | 17, "refused")):
+        assert _bpf_verdict(prog, confine._CLONE[machine], [flags], audit) == want, hex(flags)
+    assert _bpf_verdict(prog, confine._CLONE3[machine], [0, 88], audit) == "absent"
+    for nr in confine._WATCHES[machine]:  # inotify, fanotify, native AIO
+        assert _bpf_verdict(prog, nr, [0] * 6, audit) == "refused", nr
     for nr, (pid_arg, which_arg, which) in guarded.items():
         for pid, allowed in ((0, True), (4242, True), (77, False)):
             args = [0] * 6

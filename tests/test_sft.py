@@ -3,6 +3,7 @@ resume, the SFT -> RL hand-off, and generations -> SFT data."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 from pathlib import Path
@@ -15,6 +16,7 @@ from drkernel.prompts import feedback_message, first_turn_messages
 from drkernel.sft_data import IGNORE_INDEX, SFTDataError
 from drkernel.tasks import bundled_solution, load_bundled
 
+ROOT = Path(__file__).resolve().parent.parent
 CODE = "```python\nimport triton\n@triton.jit\ndef kernel(x_ptr, n):\n    pid = tl.program_id(0)\n```"
 
 
@@ -418,6 +420,50 @@ def test_resuming_a_damaged_checkpoint_exits_2_naming_it(full_run, tmp_path, tin
     assert err[-1].startswith(f"drkernel.sft: error: cannot restore {other}: KeyError")
 
 
+def warmstart_build():
+    """drkernel/data/warmstart/build.py, a script, as a module."""
+    path = ROOT / "drkernel" / "data" / "warmstart" / "build.py"
+    spec = importlib.util.spec_from_file_location("warmstart_build", path)
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return build
+
+
+def finished_sft_run(work: Path, weight: float, metrics: str) -> None:
+    """What the warm-start's SFT run leaves in `work`: a smollm2 LoRA adapter in final/ and `metrics`."""
+    from safetensors.torch import save_file
+
+    (work / "final").mkdir(parents=True, exist_ok=True)
+    (work / "final" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "smollm2", "r": 8}))
+    save_file({"lora_A.weight": torch.full((2, 3), weight)}, work / "final" / "adapter_model.safetensors")
+    (work / "metrics.jsonl").write_text(metrics)
+
+
+def test_warmstart_build_reads_metrics_as_the_report_does_and_keeps_the_adapter_whole(tmp_path, monkeypatch, capsys):
+    """A cut last line of the SFT run's metrics.jsonl is skipped and named, a step logged twice (by a
+    resumed run) counts once; with no step at all the build stops before it touches --out, so the
+    adapter there and its provenance.json stay as they were."""
+    from safetensors.torch import load_file
+
+    build, work, out = warmstart_build(), tmp_path / "work", tmp_path / "out"
+    monkeypatch.setattr(sft, "main", lambda argv: 0)  # the SFT run: finished_sft_run stands for it
+    rows = [{"step": 1, "loss": 2.0, "step_time_s": 10.0}, {"step": 2, "loss": 1.5, "step_time_s": 20.0},
+            {"step": 2, "loss": 1.0, "step_time_s": 30.0}]
+    finished_sft_run(work, 0.5, "".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')
+    assert build.main(["--work_dir", str(work), "--out", str(out)]) == 0
+    provenance = json.loads((out / "provenance.json").read_text())
+    assert (provenance["steps"], provenance["final_loss"], provenance["sft_step_seconds"]) == (2, 1.0, 40)
+    assert (provenance["tensors"], provenance["parameters"]) == (1, 6)
+    assert load_file(out / "adapter_model.safetensors")["lora_A.weight"].dtype == torch.float16
+    assert "skipped 1 line(s) that hold no step: line 4: not a JSON object" in capsys.readouterr().err
+
+    shipped = {p.name: p.read_bytes() for p in out.iterdir()}
+    finished_sft_run(work, 0.25, '{"step": 1, "lo')
+    with pytest.raises(SystemExit, match="holds no step; the adapter is not exported"):
+        build.main(["--work_dir", str(work), "--out", str(out)])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == shipped
+
+
 # ----------------------------------------------------------------------------- generations -> SFT
 
 TASK_NAMES = {t.problem_id: t.name for t in load_bundled()}  # a row names its task's file (Task.row_problem)
@@ -440,21 +486,21 @@ KERNEL_B = "import triton\n\nclass ModelNew(nn.Module):\n    def forward(self, x
 def generations(tmp_path) -> Path:
     rows = [
         # sample 0: fails, then a fast correct kernel -> kept, two turns
-        gen_row(1, 0, 1, "incorrect", 0.0, code=KERNEL_B, error="max abs err 0.5", max_abs_err=0.5, max_rel_err=0.2),
-        gen_row(1, 0, 2, "correct", 1.2, 1.5, code=KERNEL_A, ref_ms=1.0, candidate_ms=0.66),
+        gen_row(1, 0, 0, "incorrect", 0.0, code=KERNEL_B, error="max abs err 0.5", max_abs_err=0.5, max_rel_err=0.2),
+        gen_row(1, 0, 1, "correct", 1.2, 1.5, code=KERNEL_A, ref_ms=1.0, candidate_ms=0.66),
         # sample 1: correct, then a hack, then correct -> cut before the hack
-        gen_row(1, 1, 1, "correct", 1.0, 1.1, code=KERNEL_B),
-        gen_row(1, 1, 2, "hacked", 0.0, hacks=["decoy_kernel"], code="import torch  # hack\nModelNew = 1\n"),
-        gen_row(1, 1, 3, "correct", 1.5, 2.0, code="import triton\nclass ModelNew: pass  # C\n"),
+        gen_row(1, 1, 0, "correct", 1.0, 1.1, code=KERNEL_B),
+        gen_row(1, 1, 1, "hacked", 0.0, hacks=["decoy_kernel"], code="import torch  # hack\nModelNew = 1\n"),
+        gen_row(1, 1, 2, "correct", 1.5, 2.0, code="import triton\nclass ModelNew: pass  # C\n"),
         # sample 2: never correct -> dropped
-        gen_row(1, 2, 1, "compile_error", 0.0, code=KERNEL_B, error="SyntaxError"),
-        gen_row(1, 2, 2, "runtime_error", 0.0, code=KERNEL_B, error="boom"),
+        gen_row(1, 2, 0, "compile_error", 0.0, code=KERNEL_B, error="SyntaxError"),
+        gen_row(1, 2, 1, "runtime_error", 0.0, code=KERNEL_B, error="boom"),
         # sample 3: the same final kernel as sample 0 (formatting, comments) with a lower reward -> duplicate
-        gen_row(1, 3, 1, "correct", 1.1, 1.4, code=KERNEL_A_REFORMATTED),
+        gen_row(1, 3, 0, "correct", 1.1, 1.4, code=KERNEL_A_REFORMATTED),
         # problem 2: correct but slower than the reference
-        gen_row(2, 0, 1, "correct", 0.9, 0.8, code=KERNEL_B + "# problem 2\n"),
+        gen_row(2, 0, 0, "correct", 0.9, 0.8, code=KERNEL_B + "# problem 2\n"),
         # a problem we do not have
-        gen_row(99, 0, 1, "correct", 1.0, 1.0, code=KERNEL_B, level=7),
+        gen_row(99, 0, 0, "correct", 1.0, 1.0, code=KERNEL_B, level=7),
     ]
     path = tmp_path / "gen.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -472,7 +518,7 @@ def test_generations_to_sft(generations, tiny_tokenizer):
     msgs = out[0]["messages"]
     assert msgs[:2] == first_turn_messages(task1)
     assert msgs[2] == {"role": "assistant", "content": rows[0]["response"], "weight": 0}
-    assert msgs[3] == {"role": "user", "content": feedback_message(rows[0], 1)}
+    assert msgs[3] == {"role": "user", "content": feedback_message(rows[0], 1)}  # generate.py's turn 0: the 1st
     assert "max abs error: 0.5" in msgs[3]["content"]
     assert msgs[4] == {"role": "assistant", "content": rows[1]["response"], "weight": 1}
     assert len(msgs) == 5
@@ -547,7 +593,7 @@ def test_generations_of_another_task_set_are_skipped_and_named(generations, tmp_
            "(not '1_Softmax.py'); row 2: " in line and not out.exists()
 
     relu = load_bundled([1])[0]
-    good = json.loads(generations.read_text().splitlines()[1])  # problem 1, correct
+    good = dict(json.loads(generations.read_text().splitlines()[1]), turn=0)  # problem 1, correct, alone
     rows = [{**good, "task_sha": "0" * 16}, {k: v for k, v in good.items() if k != "task"}, {**good, "task_sha": relu.digest}]
     converted, stats = sft_data.generations_to_sft(rows, load_bundled())
     assert [(r["problem_id"], r["sample"]) for r in converted] == [(1, 0)]  # the row that names its task
@@ -555,10 +601,35 @@ def test_generations_of_another_task_set_are_skipped_and_named(generations, tmp_
                              "row 2: names no task (no `task` column): it may answer another task than 1_ReLU.py"]
 
 
+def test_the_rows_of_several_runs_are_not_stitched_into_one_conversation(generations, tmp_path, capsys):
+    """generate.py outputs concatenated repeat a (level, problem_id, sample, turn): which rows belong
+    together is unknown, so that trajectory is skipped whole and named, never stitched into a
+    conversation no run had; so is one whose turns are not 0..k. The others still convert."""
+    rows = [json.loads(line) for line in generations.read_text().splitlines()]
+    other_run = gen_row(1, 0, 0, "correct", 1.3, 1.6, code=KERNEL_B + "# run 2\n")  # another run's sample 0
+    gap = [gen_row(2, 1, 0, "incorrect", 0.0, code=KERNEL_B), gen_row(2, 1, 2, "correct", 1.0, 1.2, code=KERNEL_A)]
+    out, stats = sft_data.generations_to_sft(rows + [other_run] + gap, load_bundled())
+    assert [(r["problem_id"], r["sample"], r["turns"]) for r in out] == [(1, 1, 1), (1, 3, 1), (2, 0, 1)]
+    assert (stats.trajectories, stats.repeated_turns, stats.turn_gaps, stats.duplicates) == (7, 1, 1, 0)
+    assert stats.skipped_trajectories == [
+        "level 0 problem 1 sample 0: turn(s) 0 in several rows (several runs' files concatenated?)",
+        "level 0 problem 2 sample 1: turns 0, 2 are not 0..1"]
+
+    joined = tmp_path / "joined.jsonl"
+    joined.write_text(generations.read_text() + json.dumps(other_run) + "\n")
+    out_file = tmp_path / "sft.jsonl"
+    assert sft_data.main(["--generations", str(joined), "--out", str(out_file)]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["repeated_turns"] == 1
+    assert (f"{joined}: skipped 1 trajectory(ies) whose rows are not one run's turns 0..k: level 0 problem 1 "
+            f"sample 0: turn(s) 0 in several rows") in captured.err
+    assert "# run 2" not in out_file.read_text()
+
+
 @pytest.mark.parametrize("content, says", [
     (b"", "(the file holds no rows)"),
     (b'\xff binary\n{"level": "one"}\n', "(2 unusable row(s): line 1: not UTF-8 text (byte 1); line 2: missing key(s) "),
-    (json.dumps(gen_row(1, 0, 1, "incorrect", 0.0, code=KERNEL_B)).encode() + b"\n",
+    (json.dumps(gen_row(1, 0, 0, "incorrect", 0.0, code=KERNEL_B)).encode() + b"\n",
      "(1 trajectory(ies), 1 without a qualifying turn)"),
 ], ids=["empty", "all_unusable", "none_qualifies"])
 def test_generations_without_a_conversation_exit_2(tmp_path, capsys, content, says):

@@ -72,3 +72,39 @@ def test_task_code_python_cannot_parse_is_a_task_error(text, words):
     from drkernel.tasks import validate_code
     with pytest.raises(TaskError, match=f"broken.py: not valid Python \\({words}"):
         validate_code(text, "broken.py")
+
+
+def _folder_with_a_repeated_id(tmp_path) -> Path:
+    """A task folder where 1_ReLU.py and 1_ReLUdup.py are both problem 1, beside problem 2."""
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    for name, source in (("1_ReLU.py", "1_ReLU.py"), ("1_ReLUdup.py", "1_ReLU.py"), ("2_Other.py", "1_ReLU.py")):
+        (folder / name).write_text((BUNDLED_DIR / source).read_text())
+    return folder
+
+
+def test_a_folder_with_two_files_of_one_problem_id_is_refused_naming_both(tmp_path):
+    """Results are keyed by (level, problem id): one of the two files would silently vanish."""
+    from drkernel.tasks import load_tasks
+
+    folder = _folder_with_a_repeated_id(tmp_path)
+    with pytest.raises(TaskError) as exc:
+        load_tasks(str(folder))
+    assert str(exc.value).startswith(f"{folder / '1_ReLU.py'} and {folder / '1_ReLUdup.py'} both are problem 1 of "
+                                     f"level 0")
+    assert [t.name for t in load_tasks(str(folder), problem_ids=[2])] == ["2_Other.py"]  # not selected: no clash
+
+
+# train.py gets a model that cannot load: the tasks are checked first, and a run that missed the
+# repeated id stops there instead of training for minutes
+@pytest.mark.parametrize("script, options", [("evaluate.py", ["--output_dir"]), ("generate.py", ["--output"]),
+                                             ("train.py", ["--model", "/nonexistent/model", "--output_dir"])])
+def test_every_script_stops_on_a_repeated_problem_id_with_one_line_and_status_2(tmp_path, script, options):
+    folder = _folder_with_a_repeated_id(tmp_path)
+    out = subprocess.run([sys.executable, script, "--tasks", str(folder), *options, str(tmp_path / "out")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if "error" in line]
+    assert errors == [f"{script}: error: cannot load tasks '{folder}': {folder / '1_ReLU.py'} and "
+                      f"{folder / '1_ReLUdup.py'} both are problem 1 of level 0 (a file's problem id is the number "
+                      f"its name starts with, else 0); results are keyed by it: renumber or remove one"], out.stderr

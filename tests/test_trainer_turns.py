@@ -1,16 +1,18 @@
 """Which turns the trainer trains on, in a scripted environment: void turns, failed trajectories,
 PRS, outcome masks, non-default advantage and reward settings, the evaluator wiring, and
-`--resume_from auto` with checkpoint rotation. Every answer is code; the environment scripts each
-(trajectory, turn)'s verdict, so no real evaluation runs."""
+`--resume_from auto` with checkpoint rotation, a cut metrics.jsonl and no step left. Every answer
+is code; the environment scripts each (trajectory, turn)'s verdict, so no real evaluation runs."""
 
 import dataclasses
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
+from drkernel import report
 from drkernel.advantages import compute_advantages
 from drkernel.evaluator import EvalResult
 from drkernel.generation import GenOutput
@@ -260,6 +262,64 @@ def test_resume_auto_continues_the_newest_checkpoint_and_old_ones_rotate_out(tin
     fresh = trainer(4, resume_from=None)  # no resume: a fresh start at step 0
     assert fresh.step == 0
     fresh.close()
+
+
+def scripted_trainer(tokenizer, out: Path, max_steps: int, resume_from: str | None = None) -> Trainer:
+    """A two-answer, one-turn run in `out` that saves a checkpoint after every step."""
+    env = ScriptedEnv(tokenizer, [[ok, bad]])
+    cfg = TrainConfig(model="injected", output_dir=str(out), max_steps=max_steps, tasks_per_step=1, num_generations=2,
+                      num_turns=1, log_with="none", save_steps=1, resume_from=resume_from, prs=False,
+                      mismatch_correction=False, seed=0)
+    return Trainer(cfg, model=tiny_random_model(vocab_size=len(tokenizer), seed=0), tokenizer=tokenizer,
+                   tasks=load_bundled([1]), evaluate_fn=env.evaluate, generator=env.generate)
+
+
+def remove_run_ending(out: Path) -> None:
+    """What a run killed before its end lacks: final/, report.md and the plot."""
+    shutil.rmtree(out / "final")
+    (out / "report.md").unlink()
+    (out / report.RUN_PLOT).unlink()
+
+
+def test_a_resumed_run_drops_the_cut_last_line_of_its_metrics(tiny_tokenizer, tmp_path, capsys):
+    """A kill while step 2's row was written, before checkpoint-2: resuming drops the cut line (kept
+    in a .bak, said on stderr), so step 2's new row has a line of its own and the report shows both steps."""
+    scripted_trainer(tiny_tokenizer, tmp_path, max_steps=2).train()
+    metrics = tmp_path / "metrics.jsonl"
+    first, second = metrics.read_text().splitlines()
+    cut = first + "\n" + second[:40]
+    metrics.write_text(cut)
+    shutil.rmtree(tmp_path / "checkpoint-2")
+    remove_run_ending(tmp_path)
+    capsys.readouterr()
+
+    assert [h["step"] for h in scripted_trainer(tiny_tokenizer, tmp_path, 2, resume_from="auto").train()] == [2]
+    err = capsys.readouterr().err
+    assert report.load_run_history(tmp_path).steps == [1, 2]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
+    (backup,) = tmp_path.glob("metrics.*.jsonl.bak")
+    assert backup.read_text() == cut
+    assert "dropped 1 unreadable line(s)" in err and backup.name in err and "line 2: not a JSON object" in err
+    assert "| 2 |" in (tmp_path / "report.md").read_text() and (tmp_path / "final").is_dir()
+
+
+def test_a_resumed_run_with_no_step_left_saves_final_and_writes_the_report(tiny_tokenizer, tmp_path, capsys):
+    """Killed after its last checkpoint, before final/ and the report: resumed with the same max_steps, it
+    says there is no step to run, saves final/ (the checkpoint's weights) and reports the logged steps."""
+    from safetensors.torch import load_file
+
+    scripted_trainer(tiny_tokenizer, tmp_path, max_steps=1).train()
+    remove_run_ending(tmp_path)
+    capsys.readouterr()
+
+    assert scripted_trainer(tiny_tokenizer, tmp_path, max_steps=1, resume_from="auto").train() == []
+    captured = capsys.readouterr()
+    assert "resumed at step 1 with max_steps 1: no step to run" in captured.err
+    final = load_file(str(tmp_path / "final" / "model.safetensors"))
+    saved = load_file(str(tmp_path / "checkpoint-1" / "model" / "model.safetensors"))
+    assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in final)
+    assert f"RL run: {tmp_path}:" in captured.out and "| 1 |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / report.RUN_PLOT).is_file()
 
 
 def test_the_step_metrics_count_every_process_turn_and_the_slowest_phase():
