@@ -154,10 +154,10 @@ def _siblings_along(root: str, hidden: str) -> set[str]:
     return out
 
 
-def _allow_reading(libc, ruleset: int, hidden: list[str]) -> None:
+def _allow_reading(libc, ruleset: int, hidden: list[str], gpu: bool) -> None:
     """Read rights everywhere but beneath `hidden`; the Python path and the allowed devices stay
     readable wherever they are."""
-    for path in readable_roots(hidden) | python_paths(hidden) | set(devices()):
+    for path in readable_roots(hidden) | python_paths(hidden) | set(devices(gpu)):
         _allow(libc, ruleset, path, _READ_FILE | (_READ_DIR if os.path.isdir(path) else 0))
 
 
@@ -172,15 +172,21 @@ def python_paths(hidden: list[str]) -> set[str]:
 
 # What a runner may open of /dev (hidden otherwise: loop devices and their control node, whose
 # ioctls a read-only descriptor reaches, terminals, block devices, /dev/shm): the plain character
-# devices and the GPU's nodes
+# devices and, where it has a GPU, the driver's nodes (not the MIG configuration capabilities, nor
+# the profiling tools' or the display's nodes)
 _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+_NOT_GPU_WORK = ("/dev/nvidia-caps", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 
 
-def devices() -> list[str]:
-    return [p for p in (*_DEVICES, *glob.glob("/dev/nvidia*")) if os.path.exists(p)]
+def gpu_nodes() -> list[str]:
+    return [p for p in glob.glob("/dev/nvidia*") if p not in _NOT_GPU_WORK]
 
 
-def _landlock(job_dir: str, report: Confinement, hidden: list[str]) -> None:
+def devices(gpu: bool = True) -> list[str]:
+    return [p for p in (*_DEVICES, *(gpu_nodes() if gpu else ())) if os.path.exists(p)]
+
+
+def _landlock(job_dir: str, report: Confinement, hidden: list[str], gpu: bool) -> None:
     libc = _libc()
     abi = report.landlock_abi = landlock_abi()
     if abi < 1:
@@ -199,9 +205,9 @@ def _landlock(job_dir: str, report: Confinement, hidden: list[str]) -> None:
             report.errors.append(_errno_text(f"landlock rule for {job_dir}"))
             return
         file_rights = _WRITE_FILE | (_TRUNCATE if abi >= 3 else 0)
-        for dev in ["/dev/null", *glob.glob("/dev/nvidia*")]:
+        for dev in ["/dev/null", *(gpu_nodes() if gpu else ())]:
             _allow(libc, ruleset, dev, file_rights)
-        _allow_reading(libc, ruleset, hidden)
+        _allow_reading(libc, ruleset, hidden, gpu)
         if libc.syscall(_SYS_RESTRICT_SELF, ruleset, 0) != 0:
             report.errors.append(_errno_text("landlock_restrict_self"))
             return
@@ -238,11 +244,11 @@ def _drop_capabilities(report: Confinement) -> None:
 
 
 def restrict(job_dir: str, report: Confinement, hidden: list[str] | tuple[str, ...] = (),
-             fixed_cores: bool = False) -> None:
+             fixed_cores: bool = False, gpu: bool = True) -> None:
     """No new privileges, Landlock, no capabilities. Irreversible for this process and its children.
     Nothing beneath `hidden` can be read, except `job_dir` and the Python path. `fixed_cores`: not
     even its own CPU cores may change (a process no judge watches, which must stay off the cores
-    kept for timing)."""
+    kept for timing). `gpu`: the GPU's device nodes may be opened."""
     if _libc().unshare(_CLONE_NEWIPC) == 0:
         report.ipc_namespace = True
     else:
@@ -251,7 +257,7 @@ def restrict(job_dir: str, report: Confinement, hidden: list[str] | tuple[str, .
         report.no_new_privs = True
     else:
         report.errors.append(_errno_text("PR_SET_NO_NEW_PRIVS"))
-    _landlock(os.path.realpath(job_dir), report, list(hidden))
+    _landlock(os.path.realpath(job_dir), report, list(hidden), gpu)
     _drop_capabilities(report)
     _own_process_only(report, fixed_cores)
 
@@ -287,8 +293,11 @@ _OUTLIVING = {"x86_64": (248, 249, 250, 29, 272, 308), "aarch64": (217, 218, 219
 # chown, fchown, lchown, fchownat; utime, utimes, futimesat, utimensat; set/remove xattr (path,
 # link, descriptor, and the *at forms)
 _METADATA = {"x86_64": (90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280,
-                        188, 189, 190, 197, 198, 199, 463, 466),
-             "aarch64": (52, 53, 452, 55, 54, 88, 5, 6, 7, 14, 15, 16, 463, 466)}
+                        188, 189, 190, 197, 198, 199, 463, 466, 469),
+             "aarch64": (52, 53, 452, 55, 54, 88, 5, 6, 7, 14, 15, 16, 463, 466, 469)}  # 469: file_setattr
+# Calls numbered from here on came after this table: "no such call" (a library falls back), so that
+# a new way to a refused effect (file_setattr came so) is closed until the table knows it
+_FIRST_UNKNOWN = 470
 # Watching paths (inotify, fanotify: names and activity inside the hidden directories, which need no
 # read right to watch) and native AIO (io_setup: queued I/O carried out while the runner is stopped)
 _WATCHES = {"x86_64": (254, 300, 301, 206), "aarch64": (27, 262, 263, 0)}
@@ -313,6 +322,20 @@ _SOCKET_RULE = ArgRule(0, allowed=(2, 10))  # AF_INET, AF_INET6
 # and no signal owner or signal (SIGIO sent to another process): F_SETOWN, F_SETSIG, F_SETOWN_EX, F_SETLEASE
 _FCNTL = {"x86_64": 72, "aarch64": 25}
 _FCNTL_RULE = ArgRule(1, refused=(8, 10, 15, 1024))
+# ioctl(): no inode flags (FS_IOC_SETFLAGS in both sizes, FS_IOC_FSSETXATTR, FS_IOC_SETVERSION in both
+# sizes, an encryption policy, verity: metadata again, on a read-only descriptor, and inherited by new
+# files), and no signal owner (FIOSETOWN, SIOCSPGRP, TIOCSPGRP: SIGIO to another process)
+_IOCTL = {"x86_64": 16, "aarch64": 29}
+_IOCTL_RULE = ArgRule(1, refused=(0x40086602, 0x40046602, 0x401C5820, 0x40087602, 0x40047602, 0x800C6613,
+                                  0x40806685, 0x8901, 0x8902, 0x5410))
+# socketpair(): stream sockets only (with their non-blocking and close-on-exec flags): a datagram one
+# can still send to a Unix socket's path on the host (journald, systemd's notify socket)
+_SOCKETPAIR = {"x86_64": 53, "aarch64": 199}
+_SOCKETPAIR_RULE = ArgRule(1, allowed=(1, 0x801, 0x80001, 0x80801))
+# madvise(): no MADV_REMOVE, which frees the blocks behind a shared file mapping: the judge's arena,
+# whose blocks are reserved so that a full disk is an error and not a SIGBUS in the judge
+_MADVISE = {"x86_64": 28, "aarch64": 233}
+_MADVISE_RULE = ArgRule(2, refused=(9,))
 # clone() makes no namespace (CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET): a
 # user namespace gives a root runner every capability over its own, the kernel's widest surface.
 # clone3's flags sit in memory a filter cannot read: it answers "no such call" and the C library
@@ -336,13 +359,15 @@ def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int, denied:
                          ruled: dict[int, ArgRule] | None = None,
                          missing: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) (a jump's offsets count from the next instruction): another
-    architecture's calls and x32 ones refused; `missing` calls answered "no such call"; `denied`
+    architecture's calls and x32 ones refused; `missing` calls, and those from `_FIRST_UNKNOWN` on,
+    answered "no such call"; `denied`
     calls refused; each guarded call allowed only when its `which` argument (if any) says a process
     and its pid argument is 0 or `pid`; each call in `ruled` allowed as its `ArgRule` says;
     everything else allowed. Arguments are read by their low 32 bits (offset 16 + 8 i of
     `struct seccomp_data`)."""
     head = [(_LD, 0, 0, 4), (_JEQ, 1, 0, arch), (_RET, 0, 0, _EPERM),
-            (_LD, 0, 0, 0), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _EPERM)]
+            (_LD, 0, 0, 0), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _EPERM),
+            (_JGE, 0, 1, _FIRST_UNKNOWN), (_RET, 0, 0, _ENOSYS)]
     head += [i for nr in missing for i in ((_JEQ, 0, 1, nr), (_RET, 0, 0, _ENOSYS))]
     checks = [_pid_check(pid, *rule) for rule in guarded.values()]
     checks += [_arg_check(rule) for rule in (ruled or {}).values()]
@@ -382,7 +407,8 @@ def refused_calls(machine: str, fixed_cores: bool = False) -> tuple[int, ...]:
 
 def argument_rules(machine: str) -> dict[int, ArgRule]:
     """The calls the filter allows with some argument values only."""
-    return {_SOCKET[machine]: _SOCKET_RULE, _FCNTL[machine]: _FCNTL_RULE, _CLONE[machine]: _CLONE_RULE}
+    return {_SOCKET[machine]: _SOCKET_RULE, _FCNTL[machine]: _FCNTL_RULE, _CLONE[machine]: _CLONE_RULE,
+            _IOCTL[machine]: _IOCTL_RULE, _SOCKETPAIR[machine]: _SOCKETPAIR_RULE, _MADVISE[machine]: _MADVISE_RULE}
 
 
 def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:

@@ -763,7 +763,7 @@ def preflight(candidate_path: str, hidden: list[str]) -> dict:
     report = confine.Confinement()
     confine.enter_network_namespace(report)
     confine.point_caches_at(job_dir)
-    confine.restrict(job_dir, report, hidden=hidden, fixed_cores=True)
+    confine.restrict(job_dir, report, hidden=hidden, fixed_cores=True, gpu=False)  # it runs with no GPU
     if not report.complete:
         return {"skipped": "could not be confined"}
     try:

@@ -125,7 +125,8 @@ def test_confinement_in_a_child(tmp_path):
 
 def _confined_metadata_and_sockets(path: str, unix_path: str) -> list[bool]:
     """Under the seccomp layer alone: [installed, chmod, chown, utime, setxattr of a file this uid
-    owns, connect to a Unix socket's path, make a vsock socket, make a TCP socket, a socketpair]."""
+    owns, connect to a Unix socket's path, make a vsock socket, make a TCP socket, a stream
+    socketpair, a datagram one (it could send to a path), set the file's inode flags]."""
     report = confine.Confinement()
     confine._own_process_only(report)
 
@@ -142,7 +143,22 @@ def _confined_metadata_and_sockets(path: str, unix_path: str) -> list[bool]:
             _succeeds(unix_connect),
             _succeeds(lambda: socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()),
             _succeeds(lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()),
-            _succeeds(lambda: [s.close() for s in socket.socketpair()])]
+            _succeeds(lambda: [s.close() for s in socket.socketpair()]),
+            _succeeds(lambda: [s.close() for s in socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)]),
+            _succeeds(lambda: _set_inode_flags(path))]
+
+
+def _set_inode_flags(path: str) -> None:
+    """FS_IOC_SETFLAGS with the flags the file has (no change) on a read-only descriptor."""
+    import array
+    import fcntl
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        flags = array.array("l", [0])
+        fcntl.ioctl(fd, 0x80086601, flags)  # FS_IOC_GETFLAGS
+        fcntl.ioctl(fd, 0x40086602, flags)  # FS_IOC_SETFLAGS
+    finally:
+        os.close(fd)
 
 
 def test_a_confined_process_changes_no_files_metadata_and_reaches_no_unix_socket(tmp_path):
@@ -164,7 +180,7 @@ def test_a_confined_process_changes_no_files_metadata_and_reaches_no_unix_socket
         got = _in_a_child(_confined_metadata_and_sockets, str(path), unix_path)
         with pytest.raises(TimeoutError):
             listener.accept()
-    assert got == "[True, False, False, False, False, False, False, True, True]", got
+    assert got == "[True, False, False, False, False, False, False, True, True, False, False]", got
     after = os.stat(path)
     assert (after.st_mode, after.st_mtime_ns) == (before.st_mode, before.st_mtime_ns)
 
@@ -246,6 +262,28 @@ def test_a_runner_opens_no_device_but_the_plain_ones_and_the_gpus(tmp_path):
     finally:
         os.unlink(shm_file)
     assert got == "[True, True, True, False, False]", got
+
+
+def test_a_runner_gets_the_gpu_driver_nodes_only_and_the_preflight_none(monkeypatch, tmp_path):
+    """The MIG configuration capabilities, the profiling tools' and the display's nodes are no
+    work of a runner's; the pre-flight import runs with no GPU at all (it would otherwise use one
+    outside every lock while neighbours are timed)."""
+    nodes = ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-caps",
+             "/dev/nvidia-modeset"]
+    monkeypatch.setattr(confine.glob, "glob", lambda pattern: nodes if pattern == "/dev/nvidia*" else [])
+    monkeypatch.setattr(confine.os.path, "exists", lambda p: True)
+    assert confine.gpu_nodes() == ["/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm"]
+    assert not [d for d in confine.devices(gpu=False) if "nvidia" in d]
+    from drkernel import runner
+    asked = []
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(confine, "enter_network_namespace", lambda report: None)
+    monkeypatch.setattr(confine, "point_caches_at", lambda job_dir: None)
+    monkeypatch.setattr(confine, "restrict", lambda *args, **kwargs: asked.append(kwargs))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "cand.py").write_text("x = 1\n")
+    runner.preflight(str(tmp_path / "src" / "cand.py"), [])
+    assert asked and asked[0].get("gpu") is False, asked
 
 
 def test_the_python_path_keeps_no_entry_that_holds_a_hidden_directory(tmp_path, monkeypatch):
@@ -644,6 +682,14 @@ def test_the_seccomp_program_of_every_architecture(machine, fixed_cores):
     for flags, want in ((fork, "allow"), (thread, "allow"), (fork | 0x10000000, "refused"), (0x40000000 | 17, "refused")):
         assert _bpf_verdict(prog, confine._CLONE[machine], [flags], audit) == want, hex(flags)
     assert _bpf_verdict(prog, confine._CLONE3[machine], [0, 88], audit) == "absent"
+    assert _bpf_verdict(prog, confine._FIRST_UNKNOWN, [0] * 6, audit) == "absent"  # calls newer than the table
+    for cmd, want in ((0x40086602, "refused"), (0x8902, "refused"), (0x5410, "refused"), (0xC0104629, "allow"),
+                      (0x80086601, "allow")):  # inode flags and signal owners; a driver's ioctl, GETFLAGS
+        assert _bpf_verdict(prog, confine._IOCTL[machine], [3, cmd], audit) == want, hex(cmd)
+    for kind, want in ((0x80001, "allow"), (1, "allow"), (2, "refused"), (0x80002, "refused"), (5, "refused")):
+        assert _bpf_verdict(prog, confine._SOCKETPAIR[machine], [1, kind], audit) == want, hex(kind)
+    for advice, want in ((9, "refused"), (4, "allow")):  # MADV_REMOVE; MADV_DONTNEED
+        assert _bpf_verdict(prog, confine._MADVISE[machine], [0, 4096, advice], audit) == want, advice
     for nr in confine._WATCHES[machine]:  # inotify, fanotify, native AIO
         assert _bpf_verdict(prog, nr, [0] * 6, audit) == "refused", nr
     for nr, (pid_arg, which_arg, which) in guarded.items():
