@@ -143,7 +143,8 @@ class Channel:
         its group and was re-parented to the zygote (neither the judge nor one of `siblings`)."""
         if self.pid <= 0:
             return []
-        return procfs.descendants(self.pid) + self._escaped()
+        # a zombie (a child that exited and was not reaped: `os.popen` never closed) runs nothing
+        return [p for p in procfs.descendants(self.pid) if procfs.alive(p)] + self._escaped()
 
     def _escaped(self) -> list[int]:
         if not self.zygote_pid:

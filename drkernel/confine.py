@@ -291,7 +291,9 @@ _OUTLIVING = {"x86_64": (248, 249, 250, 29, 272, 308), "aarch64": (217, 218, 219
 # only ownership, so a runner of the trainer's uid could lock every other job out of its directory
 # (or of the temporary root) or set a setuid bit, anywhere. chmod, fchmod, fchmodat, fchmodat2;
 # chown, fchown, lchown, fchownat; utime, utimes, futimesat, utimensat; set/remove xattr (path,
-# link, descriptor, and the *at forms)
+# link, descriptor, and the *at forms). They do nothing and report success: the standard library
+# calls them on the candidate's own files (`shutil.copy`'s mode, `copy2`'s times, `dbm`) and
+# treats a refusal as an error
 _METADATA = {"x86_64": (90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280,
                         188, 189, 190, 197, 198, 199, 463, 466, 469),
              "aarch64": (52, 53, 452, 55, 54, 88, 5, 6, 7, 14, 15, 16, 463, 466, 469)}  # 469: file_setattr
@@ -317,7 +319,7 @@ class ArgRule:
 # rules close. A Unix socket bound to a path on the host (a container runtime's, D-Bus, an agent's)
 # is reached by connect(), which no Landlock right covers, and vsock leaves the namespace
 _SOCKET = {"x86_64": 41, "aarch64": 198}
-_SOCKET_RULE = ArgRule(0, allowed=(2, 10))  # AF_INET, AF_INET6
+_SOCKET_RULE = ArgRule(0, allowed=(2, 10, 16))  # AF_INET, AF_INET6; AF_NETLINK (its own namespace's interfaces)
 # fcntl(): no lease (it stalls whoever opens a file the runner can read, up to the lease-break time)
 # and no signal owner or signal (SIGIO sent to another process): F_SETOWN, F_SETSIG, F_SETOWN_EX, F_SETLEASE
 _FCNTL = {"x86_64": 72, "aarch64": 25}
@@ -343,7 +345,8 @@ _MADVISE_RULE = ArgRule(2, refused=(9,))
 _CLONE = {"x86_64": 56, "aarch64": 220}
 _CLONE_RULE = ArgRule(0, no_bits=0x7E020000)
 _CLONE3 = {"x86_64": 435, "aarch64": 435}
-_ALLOW, _EPERM, _ENOSYS = 0x7FFF0000, 0x00050001, 0x00050026  # SECCOMP_RET_ALLOW, RET_ERRNO | EPERM, | ENOSYS
+# SECCOMP_RET_ALLOW; SECCOMP_RET_ERRNO with EPERM, ENOSYS, or 0 (the call does nothing and reports success)
+_ALLOW, _EPERM, _ENOSYS, _PRETEND = 0x7FFF0000, 0x00050001, 0x00050026, 0x00050000
 _LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, |JGE|K, |JSET|K, BPF_RET|K
 
 
@@ -356,11 +359,11 @@ class _SockFprog(ctypes.Structure):
 
 
 def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int, denied: tuple[int, ...] = (),
-                         ruled: dict[int, ArgRule] | None = None,
-                         missing: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
+                         ruled: dict[int, ArgRule] | None = None, missing: tuple[int, ...] = (),
+                         pretended: tuple[int, ...] = ()) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) (a jump's offsets count from the next instruction): another
     architecture's calls and x32 ones refused; `missing` calls, and those from `_FIRST_UNKNOWN` on,
-    answered "no such call"; `denied`
+    answered "no such call"; `pretended` calls skipped with success; `denied`
     calls refused; each guarded call allowed only when its `which` argument (if any) says a process
     and its pid argument is 0 or `pid`; each call in `ruled` allowed as its `ArgRule` says;
     everything else allowed. Arguments are read by their low 32 bits (offset 16 + 8 i of
@@ -369,6 +372,7 @@ def _own_process_program(arch: int, guarded: dict[int, tuple], pid: int, denied:
             (_LD, 0, 0, 0), (_JGE, 0, 1, 0x40000000), (_RET, 0, 0, _EPERM),
             (_JGE, 0, 1, _FIRST_UNKNOWN), (_RET, 0, 0, _ENOSYS)]
     head += [i for nr in missing for i in ((_JEQ, 0, 1, nr), (_RET, 0, 0, _ENOSYS))]
+    head += [i for nr in pretended for i in ((_JEQ, 0, 1, nr), (_RET, 0, 0, _PRETEND))]
     checks = [_pid_check(pid, *rule) for rule in guarded.values()]
     checks += [_arg_check(rule) for rule in (ruled or {}).values()]
     calls = [*guarded, *(ruled or {})]
@@ -401,7 +405,7 @@ def _arg_check(rule: ArgRule) -> list[tuple[int, int, int, int]]:
 
 def refused_calls(machine: str, fixed_cores: bool = False) -> tuple[int, ...]:
     """The calls the filter refuses outright on `machine`."""
-    return (_IO_URING_SETUP[machine], _PIDFD_SEND_SIGNAL[machine], *_OUTLIVING[machine], *_METADATA[machine],
+    return (_IO_URING_SETUP[machine], _PIDFD_SEND_SIGNAL[machine], *_OUTLIVING[machine],
             *_WATCHES[machine], *((_SETAFFINITY[machine],) if fixed_cores else ()))
 
 
@@ -420,7 +424,7 @@ def _own_process_only(report: Confinement, fixed_cores: bool = False) -> None:
         return
     audit, sys_seccomp, guarded = arch
     prog = _own_process_program(audit, guarded, os.getpid(), refused_calls(machine, fixed_cores),
-                                argument_rules(machine), (_CLONE3[machine],))
+                                argument_rules(machine), (_CLONE3[machine],), _METADATA[machine])
     filters = (_SockFilter * len(prog))(*[_SockFilter(c, jt, jf, k) for c, jt, jf, k in prog])
     fprog = _SockFprog(len(prog), filters)
     # SECCOMP_SET_MODE_FILTER (1) with SECCOMP_FILTER_FLAG_TSYNC (1): every thread of the process
