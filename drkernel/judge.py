@@ -1320,6 +1320,9 @@ def _record_speed(j: Judge, ref_ms: list[float], ref_walls: list[float], events:
     j.out.candidate_ms = _roofline(j, cand_ms)
     j.out.speedup = j.out.ref_ms / j.out.candidate_ms if j.out.candidate_ms > 0 else None
     j.details["timed_calls"] = len(events)
+    # each pair's two times, in order (the reference's own clock; the candidate's before the judge's
+    # checks): what a study of the timing's noise needs, e.g. a paired estimate (bench/ref_self.py)
+    j.details["timed_ms"] = {"reference": [round(x, 5) for x in ref_ms], "candidate": [round(x, 5) for x in events]}
     if j.out.speedup is not None:
         lo, hi = speedup_interval(ref_ms, events, j.ref.seed)
         scale = median(events) / j.out.candidate_ms  # the judge's clock or a re-time only lowers it

@@ -54,6 +54,20 @@ def test_ref_self_rows_keep_why_a_reference_time_moved(capsys):
     assert "ref    6.000 ms alone    3.200 ms core 15  <-- outside" in line, line
 
 
+def test_ref_self_pairs_each_timed_call_with_its_neighbour():
+    """A drift both calls of a pair share (the host slower for a while) moves the ratio of medians
+    but cancels in the median of the pairs' own ratios."""
+    from types import SimpleNamespace
+    task = SimpleNamespace(key="3_19", name="19_MobileNetV1.py")
+    slow = [1.0] * 40 + [2.0] * 60  # the second part of the run twice as slow for both sides
+    timed = {"reference": slow[:50] + slow[50:], "candidate": [1.0] * 50 + [2.0] * 50}
+    r = result(speedup=0.5, details={"timed_ms": timed})
+    rows = ref_self.rows_of([task], [r])
+    assert rows[0]["paired"] == pytest.approx(1.0)
+    assert ref_self.summary(rows)["in_band_paired"] == 1
+    assert ref_self.rows_of([task], [result("crashed")])[0]["paired"] is None
+
+
 def test_ablation_prints_its_headline_numbers_as_a_table(capsys):
     run = {"final_J": 2.5, "mean_cosine_to_on_policy": 0.7, "mean_reject_rate": 0.25,
            "expected_update_cosine_to_on_policy": 0.99}

@@ -2,6 +2,7 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -114,6 +115,10 @@ def test_legit_relu_correct():
     # the reference is timed alone (guard) and then interleaved with the candidate (the speedup)
     assert r.details["ref_ms_isolated"] > 0
     assert {"reference_alone", "correctness", "timing", "profiling"} <= set(r.details["phase_s"])
+    # every timed pair's two times, in order, for studies of the timing's noise (bench/ref_self.py)
+    timed = r.details["timed_ms"]
+    assert len(timed["reference"]) == len(timed["candidate"]) == r.details["timed_calls"]
+    assert statistics.median(timed["reference"]) == pytest.approx(r.ref_ms, rel=1e-3)
 
 
 def test_integer_input_task():
