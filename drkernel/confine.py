@@ -14,7 +14,8 @@ Layers, each recorded in a `Confinement` report (the judge copies it to
   * Landlock: every kind of file-system write (write, truncate, create, remove, rename, link)
     only beneath `job_dir` (plus writing to /dev/null and the GPU's device nodes); no reading of
     the `hidden` directories (the temporary directory that holds every job's files, the device
-    lock and memory-ledger files), except the job's own directory and the Python path; TCP bind and
+    lock and memory-ledger files, /dev but for `devices()`), except the job's own directory and
+    the Python path; TCP bind and
     connect denied (ABI >= 4); signals and abstract Unix sockets scoped to the runner's own
     domain (ABI >= 6). A Landlock domain also cannot ptrace processes outside it, so the judge's
     memory and descriptors (`/proc/<pid>/mem`, `/proc/<pid>/fd/*`) are out of reach;
@@ -26,8 +27,11 @@ Layers, each recorded in a `Confinement` report (the judge copies it to
     them, and a runner could otherwise blind the judge (its open-file limit) or slow the
     reference and the other candidates of its job. Signals go only to this process or its own
     group (Landlock scopes them from ABI 6 only). `io_uring_setup` is refused outright (a ring's
-    queued I/O runs in kernel workers, after the runner is stopped). Other architectures' calls
-    are refused.
+    queued I/O runs in kernel workers, after the runner is stopped), and so are the calls listed
+    by `refused_calls`; `argument_rules` allows some calls with some arguments only (socket
+    families, fcntl and ioctl commands, clone flags); a file's metadata calls do nothing and
+    report success; calls newer than the table, and `clone3`, answer "no such call". Other
+    architectures' calls are refused (docs/security.md says why each).
 
 A mechanism the kernel lacks is reported as missing, never faked; `EvalConfig.require_confinement`
 decides whether the evaluation then runs.
