@@ -3,14 +3,17 @@ confinement (docs/security.md). Each attack fixture (tests/fixtures/attacks) mus
 its header expects, leave nothing behind and reach no listener, and the evaluator must keep
 working afterwards."""
 
+import array
 import ctypes
 import dataclasses
 import errno
+import fcntl
 import os
 import platform
 import socket
 import subprocess
 import textwrap
+import threading
 import time
 
 import pytest
@@ -150,8 +153,6 @@ def _confined_metadata_and_sockets(path: str, unix_path: str) -> list[bool]:
 
 def _set_inode_flags(path: str) -> None:
     """FS_IOC_SETFLAGS with the flags the file has (no change) on a read-only descriptor."""
-    import array
-    import fcntl
     fd = os.open(path, os.O_RDONLY)
     try:
         flags = array.array("l", [0])
@@ -191,7 +192,6 @@ def test_a_confined_process_changes_no_files_metadata_and_reaches_no_unix_socket
 def _confined_namespaces_leases_and_watches(path: str) -> list:
     """Under the seccomp layer alone: [installed, clone(CLONE_NEWUSER) errno, clone3 errno, a thread
     and a fork still work, F_SETLEASE and F_GETFL on a file, inotify_add_watch]."""
-    import threading
     libc = ctypes.CDLL(None, use_errno=True)
     report = confine.Confinement()
     confine._own_process_only(report)
@@ -210,7 +210,6 @@ def _confined_namespaces_leases_and_watches(path: str) -> list:
         os._exit(7)
     out.append(os.waitpid(child, 0)[1] >> 8)
     fd = os.open(path, os.O_RDONLY)
-    import fcntl
     out.append(_succeeds(lambda: fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)))
     out.append(_succeeds(lambda: fcntl.fcntl(fd, fcntl.F_GETFL)))
     ifd = libc.inotify_init1(0)
