@@ -52,28 +52,28 @@ DIAGNOSTICS = ("ref_ms_isolated", "timing_core", "idle_wait_s", "lock_wait_s", "
 
 def rows_of(tasks: list, results: list) -> list[dict]:
     return [{"problem": t.key, "name": t.name, "verdict": r.verdict, "speedup": r.speedup,
-             "paired": paired_speedup(r.details.get("timed_ms")),
+             "of_medians": ratio_of_medians(r.details.get("timed_ms")),
              "interval": r.speedup_interval, "precise": r.speedup_precise, "ref_ms": r.ref_ms,
              "timed_calls": r.details.get("timed_calls"), "error": (r.error or "")[:200],
              "diagnostics": {k: r.details.get(k) for k in DIAGNOSTICS}, "timed_ms": r.details.get("timed_ms")}
             for t, r in zip(tasks, results)]
 
 
-def paired_speedup(timed: dict | None) -> float | None:
-    """The median of each timed pair's own ratio (reference / candidate, the two calls made back to
-    back), beside the judge's ratio of medians: a drift both calls of a pair share cancels in it."""
+def ratio_of_medians(timed: dict | None) -> float | None:
+    """median(reference) / median(candidate) of the same timed calls, beside the judge's median of
+    each pair's own ratio: what pairing the two calls buys (a drift both share cancels in a pair)."""
     if not timed or not timed.get("candidate"):
         return None
-    return statistics.median(r / c for r, c in zip(timed["reference"], timed["candidate"]) if c > 0)
+    return statistics.median(timed["reference"]) / max(statistics.median(timed["candidate"]), 1e-9)
 
 
 def summary(rows: list[dict]) -> dict:
     speedups = [r["speedup"] for r in rows if r["speedup"] is not None]
     inside = [s for s in speedups if BAND[0] <= s <= BAND[1]]
     worst = max(rows, key=lambda r: abs((r["speedup"] or 0) - 1), default=None)
-    paired = [r["paired"] for r in rows if r.get("paired") is not None]
+    unpaired = [r["of_medians"] for r in rows if r.get("of_medians") is not None]
     return {"n": len(rows), "timed": len(speedups), "median": statistics.median(speedups) if speedups else None,
-            "in_band": len(inside), "in_band_paired": sum(BAND[0] <= p <= BAND[1] for p in paired),
+            "in_band": len(inside), "in_band_of_medians": sum(BAND[0] <= p <= BAND[1] for p in unpaired),
             "worst": worst and (worst["name"], worst["speedup"]),
             "not_correct": [(r["name"], r["verdict"], r["error"][:80]) for r in rows if r["verdict"] != "correct"]}
 
@@ -85,12 +85,12 @@ def print_table(title: str, rows: list[dict], s: dict, wall: float) -> None:
         flag = "" if sp is not None and BAND[0] <= sp <= BAND[1] else "  <-- outside"
         print(f"{r['problem']:>7} {r['name'][:44]:44s} {r['verdict']:>12s} {sp or 0:7.3f} "
               f"[{iv[0] or 0:.3f}, {iv[1] or 0:.3f}] {'precise' if r['precise'] else 'ROUGH':>7s} "
-              f"paired {r.get('paired') or 0:6.3f} "
+              f"of medians {r.get('of_medians') or 0:6.3f} "
               f"ref {r['ref_ms'] or 0:8.3f} ms alone {r['diagnostics']['ref_ms_isolated'] or 0:8.3f} ms "
               f"core {r['diagnostics']['timing_core']}{flag}")
     med = s["median"]
-    print(f"median {med:.4f}, {s['in_band']}/{s['timed']} in {list(BAND)} ({s['in_band_paired']} by the "
-          f"paired estimate), worst {s['worst']}; "
+    print(f"median {med:.4f}, {s['in_band']}/{s['timed']} in {list(BAND)} ({s['in_band_of_medians']} by the "
+          f"ratio of medians), worst {s['worst']}; "
           f"not correct: {len(s['not_correct'])}" if med else "no speedups", flush=True)
 
 

@@ -93,7 +93,7 @@ class EvalResult:
     verdict: str = "crashed"
     compiled: bool = False
     correct: bool = False
-    speedup: float | None = None
+    speedup: float | None = None  # the median of the timed pairs' own ratios (reference / candidate)
     ref_ms: float | None = None
     candidate_ms: float | None = None
     hacks: list = dataclasses.field(default_factory=list)

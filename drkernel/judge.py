@@ -1182,19 +1182,28 @@ def _clock_excess(r: Reference, own_ms: list[float], walls: list[float]) -> floa
     return median([w - e for w, e in zip(walls, own_ms)]) - r.overhead_ms
 
 
+def pair_ratios(ref_ms: list[float], cand_ms: list[float]) -> list[float]:
+    """Each timed pair's own speedup: the reference's time over the candidate's, the two calls made
+    back to back on the same inputs, so that a drift of the host or the GPU both share cancels."""
+    return [r / max(c, 1e-9) for r, c in zip(ref_ms, cand_ms)]
+
+
 def speedup_interval(ref_ms: list[float], cand_ms: list[float], seed: int, n: int = 200) -> tuple[float, float]:
-    """A 95 % bootstrap interval of median(reference) / median(candidate)."""
+    """A 95 % bootstrap interval of the median pair ratio, the pairs resampled whole."""
     rng = random.Random(seed)
-    ratios = sorted(median(rng.choices(ref_ms, k=len(ref_ms))) / max(median(rng.choices(cand_ms, k=len(cand_ms))),
-                                                                     1e-9) for _ in range(n))
-    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
+    ratios = pair_ratios(ref_ms, cand_ms)
+    meds = sorted(median(rng.choices(ratios, k=len(ratios))) for _ in range(n))
+    return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
+
+
+def _precise(j: Judge, ref_ms: list[float], cand_ms: list[float]) -> bool:
+    """The interval is narrower than `speedup_precision` of the speedup."""
+    lo, hi = speedup_interval(ref_ms, cand_ms, j.ref.seed)
+    return (hi - lo) <= j.cfg.speedup_precision * median(pair_ratios(ref_ms, cand_ms))
 
 
 def _precise_enough(j: Judge, ref_ms: list[float], cand_ms: list[float]) -> bool:
-    if len(cand_ms) < j.cfg.min_perf_trials:
-        return False
-    lo, hi = speedup_interval(ref_ms, cand_ms, j.ref.seed)
-    return (hi - lo) <= j.cfg.speedup_precision * median(ref_ms) / max(median(cand_ms), 1e-9)
+    return len(cand_ms) >= j.cfg.min_perf_trials and _precise(j, ref_ms, cand_ms)
 
 
 def time_interleaved(j: Judge) -> None:
@@ -1318,16 +1327,17 @@ def _record_speed(j: Judge, ref_ms: list[float], ref_walls: list[float], events:
     j.out.ref_ms = median(ref_ms)
     _check_reference_slowed(j)
     j.out.candidate_ms = _roofline(j, cand_ms)
-    j.out.speedup = j.out.ref_ms / j.out.candidate_ms if j.out.candidate_ms > 0 else None
+    # the median pair ratio, lowered as much as the judge's clock or a re-time lowered the candidate's median
+    scale = median(events) / j.out.candidate_ms if j.out.candidate_ms > 0 else 0.0
+    j.out.speedup = median(pair_ratios(ref_ms, events)) * scale if scale > 0 else None
     j.details["timed_calls"] = len(events)
     # each pair's two times, in order (the reference's own clock; the candidate's before the judge's
-    # checks): what a study of the timing's noise needs, e.g. a paired estimate (bench/ref_self.py)
+    # checks): what a study of the timing's noise needs (bench/ref_self.py)
     j.details["timed_ms"] = {"reference": [round(x, 5) for x in ref_ms], "candidate": [round(x, 5) for x in events]}
     if j.out.speedup is not None:
         lo, hi = speedup_interval(ref_ms, events, j.ref.seed)
-        scale = median(events) / j.out.candidate_ms  # the judge's clock or a re-time only lowers it
         j.out.speedup_interval = [lo * scale, hi * scale]
-        j.out.speedup_precise = (hi - lo) <= j.cfg.speedup_precision * median(ref_ms) / max(median(events), 1e-9)
+        j.out.speedup_precise = _precise(j, ref_ms, events)
 
 
 def _check_reference_slowed(j: Judge) -> None:

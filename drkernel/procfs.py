@@ -73,23 +73,42 @@ def descendants(pid: int) -> list[int]:
 
 
 def unnamed_file_bytes(pids: list[int]) -> int:
-    """Bytes allocated to the files `pids` hold open that no name leads to any more (memfds,
-    deleted files), each file once: a walk of the directories never sees them."""
-    seen, total = set(), 0
+    """Bytes allocated to the files `pids` hold, open or mapped, that no name leads to any more
+    (memfds, deleted files), each file once: a walk of the directories never sees them, and no RSS
+    counts a mapped page never touched. A mapping is measured through /proc/<pid>/map_files,
+    which needs CAP_SYS_ADMIN or CAP_CHECKPOINT_RESTORE (root has them); without, mappings go
+    unmeasured, and the runners' OOM score (`sandbox`) is what keeps the memory off the host."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
+        for path in _open_files(pid) + _mapped_unnamed_files(pid):
             try:
-                st = os.stat(f"/proc/{pid}/fd/{fd}")
+                st = os.stat(path)
             except OSError:
                 continue
             if st.st_nlink == 0 and (st.st_dev, st.st_ino) not in seen:
                 seen.add((st.st_dev, st.st_ino))
                 total += st.st_blocks * 512
     return total
+
+
+def _open_files(pid: int) -> list[str]:
+    try:
+        return [f"/proc/{pid}/fd/{fd}" for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:
+        return []
+
+
+def _mapped_unnamed_files(pid: int) -> list[str]:
+    """/proc/<pid>/map_files paths of the mappings whose file has no name left (memfds read as
+    deleted too)."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    return [f"/proc/{pid}/map_files/{line.split(None, 1)[0].decode()}" for line in lines
+            if line.endswith(b" (deleted)")]
 
 
 def live_tasks(pid: int) -> list[Stat]:

@@ -64,3 +64,14 @@ def test_the_compile_baseline_times_a_compiled_reference_and_says_so():
     assert r.verdict == "correct" and r.baseline == "compile", (r.verdict, r.error)
     assert r.details["phase_s"]["load_twin"] > r.details["phase_s"]["reference_alone"]  # the compile
     assert shared_evaluate(str(TASKS / "1_ReLU.py"), LEGIT_RELU, cfg()).baseline == "eager"
+
+
+def test_the_speedup_pairs_each_timed_call_with_its_neighbour():
+    """A drift both calls of a pair share (the host slower for a while, as on launch-bound models)
+    cancels in each pair's own ratio: the speedup and its interval stay tight, where resampling the
+    two sides apart would widen the interval by the drift."""
+    from drkernel import judge
+    drift = [1.0, 3.0, 1.5, 2.5] * 10
+    assert judge.speedup_interval(drift, drift, seed=0) == (1.0, 1.0)
+    assert judge.speedup_interval([2 * d for d in drift], drift, seed=0) == (2.0, 2.0)
+    assert judge.median(judge.pair_ratios([2 * d for d in drift], drift)) == 2.0
