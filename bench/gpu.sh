@@ -4,7 +4,9 @@
 #   cp -r ../shared/kernelbench .bench_data/kernelbench      # carried: carry=[".bench_data"]
 #   python bench/rl_step.py --save-vocab                     # rl_step: .bench_data/qwen.tiktoken
 # STAGES picks, in order (default: all, about 25 minutes on one H200, plus up to 5 for rl_step):
-#   hacks       every hack, legit, fault and attack fixture through the evaluator (bench/hacks.py; HACKS_S seconds)
+#   hacks       every hack, legit, fault and attack fixture through the evaluator (bench/hacks.py; HACKS_S seconds,
+#               HACKS_ARGS passed on, e.g. "--only renice,seed_schedule" (substrings of file names); on a
+#               cold machine all 170 fixtures take more than 480 s)
 #   neighbours  4 honest kernels alone, then beside a hostile one with 4 runners (bench/neighbours.py)
 #   ref_self    the reference against itself: 20 repeats of the launch-bound MobileNetV1/V2 and
 #               ResNet18, then every level-1-3 problem once (bench/ref_self.py; REF_SELF_S seconds,
@@ -41,7 +43,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 for stage in ${STAGES:-hacks neighbours ref_self solutions_eager solutions_compile throughput_full throughput_rl rl_step cli costs}; do
     echo "== $stage"
     case $stage in
-    hacks) timeout "${HACKS_S:-480}" python bench/hacks.py --kernelbench "$KB" --out "$OUT/hacks.json" 2>&1 | tail -80 ;;
+    hacks) timeout "${HACKS_S:-480}" python bench/hacks.py --kernelbench "$KB" ${HACKS_ARGS:-} --out "$OUT/hacks.json" 2>&1 | tail -80 ;;
     neighbours) timeout 180 python bench/neighbours.py --kernelbench "$KB" --workers 4 \
         --out "$OUT/neighbours.json" 2>&1 | tail -12 ;;
     ref_self) timeout "${REF_SELF_S:-420}" python bench/ref_self.py --kernelbench "$KB" ${REF_SELF_ARGS:-} \
