@@ -62,11 +62,13 @@ def short_repr(x, n: int = 200) -> str:
 
 
 def structure(obj):
+    """The output's shape of containers: "T" per tensor; a list, a tuple and torch's named tuples
+    (`torch.max(x, 1)`) are all one "seq" (an honest kernel returns its values as any of them)."""
     import torch
     if isinstance(obj, torch.Tensor):
         return "T"
     if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, tuple(structure(o) for o in obj))
+        return ("seq", tuple(structure(o) for o in obj))
     if isinstance(obj, dict):
         return ("dict", tuple(sorted((k, structure(v)) for k, v in obj.items())))
     return type(obj).__name__
@@ -76,6 +78,12 @@ def strided(t) -> bool:
     """A tensor with elements of its own in one strided block: not sparse, not nested."""
     import torch
     return t.layout == torch.strided and not t.is_nested
+
+
+def _torch_named_tuple(obj) -> bool:
+    """One of torch's own named tuples (`torch.return_types.max`), not a class made to look like one."""
+    import torch
+    return type(obj) is getattr(torch.return_types, type(obj).__name__, None)
 
 
 def bad_type(obj) -> str | None:
@@ -89,7 +97,7 @@ def bad_type(obj) -> str | None:
         if obj.device.type == "meta":
             return "output is a meta tensor"
         return None
-    if type(obj) in (list, tuple):
+    if type(obj) in (list, tuple) or _torch_named_tuple(obj):
         for o in obj:
             r = bad_type(o)
             if r:

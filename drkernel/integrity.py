@@ -76,7 +76,7 @@ def static_scan(source: str | ast.AST, reference_path: str | None = None) -> lis
     except UNPARSABLE:  # the evaluator's own parse gives the verdict
         return []
     found: dict[tuple[str, str], None] = {}  # ordered and each once, in linear time
-    defaults = {id(n.func) for n in ast.walk(tree) if _sets_default(n)}
+    defaults = {id(n.func) for n in ast.walk(tree) if _sets_default(n)} | _keys_held_at_default(tree)
     roots = package_aliases(tree, ("torch", "triton")) | {"tl"}  # the names torch and Triton go by
     # attributes set by a plain `a.b = value`: the value is known (numerics flags, cuDNN settings)
     plain = {id(t): n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) for t in n.targets}
@@ -433,7 +433,7 @@ class IntegritySnapshot:
     def state_changes(self) -> list[str]:
         now = global_state()
         return [f"{k}: {self.state.get(k)!r} -> {v!r}" for k, v in now.items()
-                if self.state.get(k) != v and _STRICTER.get(k) != v]
+                if _loosened(k, self.state.get(k), v)]
 
 
 def _global_hook_counts() -> dict[str, int]:
@@ -506,6 +506,13 @@ def _numerics_findings(node: ast.AST) -> list[tuple[str, str]]:
 _DEFAULTS = (False, "highest", "ieee")
 
 
+def _keys_held_at_default(tree: ast.AST) -> set[int]:
+    """Dict keys naming a numerics flag whose value is that flag's default (`{"allow_tf32": False}`,
+    options handed to a kernel's own parameter): a flag set from them is still the default."""
+    return {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k, v in zip(n.keys, n.values)
+            if k is not None and isinstance(v, ast.Constant) and v.value in _DEFAULTS}
+
+
 def _own_field(target: ast.Attribute) -> bool:
     """`self.allow_tf32 = ...`: a module's own setting (passed to `tl.dot`, say), no torch flag; a
     torch flag reached through `self` anyway is read at run time (`NumericsWatch`)."""
@@ -555,11 +562,20 @@ class NumericsWatch:
 
     def changed(self) -> list[str]:
         now = [_read(reader) for _, reader in self.readers]
-        return [f"{name}: {b} -> {v}" for (name, _), b, v in zip(self.readers, self.baseline, now) if v != b]
+        return [f"{name}: {b} -> {v}" for (name, _), b, v in zip(self.readers, self.baseline, now)
+                if _loosened(name, b, v)]
 
 
-# flags a candidate may turn one way: deterministic algorithms can only cost it time
-_STRICTER = {"cudnn.deterministic": True, "deterministic_algorithms": True}
+# flags a candidate may turn one way, and the values that way: deterministic algorithms, and no
+# reduced-precision reductions in cuBLAS (torch reads those as (allowed, split-K allowed)), can
+# only cost it time
+_STRICTER = {"cudnn.deterministic": {True}, "deterministic_algorithms": {True},
+             **{f"cuda.matmul.{kind}_reduced": {False, (False, True), (False, False)} for kind in ("fp16", "bf16")}}
+
+
+def _loosened(name: str, before: Any, now: Any) -> bool:
+    """A flag moved, other than to a stricter value (`_STRICTER`)."""
+    return now != before and now not in _STRICTER.get(name, ())
 
 
 def _flag_readers() -> dict[str, Any]:

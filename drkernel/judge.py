@@ -516,9 +516,8 @@ def _rebuild(struct, ts, values):
     value whose type is not the structure's comes back as None, and fails the comparison)."""
     if struct == "T":
         return next(ts)
-    if isinstance(struct, list) and len(struct) == 2 and struct[0] in ("tuple", "list"):
-        items = [_rebuild(s, ts, values) for s in struct[1]]
-        return tuple(items) if struct[0] == "tuple" else items
+    if isinstance(struct, list) and len(struct) == 2 and struct[0] == "seq":
+        return tuple(_rebuild(s, ts, values) for s in struct[1])
     if isinstance(struct, list) and len(struct) == 2 and struct[0] == "dict":
         return {k: _rebuild(s, ts, values) for k, s in struct[1]}
     value = next(values, None)
@@ -1829,7 +1828,9 @@ def evaluate(reference_path: str, candidate_paths: list[str], config: dict, runn
             started = _perf()
             # the first candidate's share of the job holds the group's phases too
             waited = dict(r.gpu.waited) if r.gpu is not None and k else {}
-            runner.deadline = time.monotonic() + float(r.cfg.timeout)
+            # each turn the whole `timeout`, the twin's calls in it too: time one candidate spent
+            # must not run out on the next
+            twin.deadline = runner.deadline = time.monotonic() + float(r.cfg.timeout)
             runner.escaped_kills()  # a note that landed after the last turn ended is no one's now
             _init_runner(r, runner, os.path.join(runner.dir, os.path.basename(path)))
             results.append(_judge_candidate(r, runner, path, started if k else t0, waited))

@@ -180,7 +180,7 @@ def _constants(tree: ast.AST, bindings: dict[str, list[ast.AST | None]], tl_name
     values = {name: vs for name, vs in bindings.items() if not any(isinstance(v, ast.alias) for v in vs)}
     anything = "*" in bindings  # a star import may bind any name
     scope = _Scope(frozenset(tl_names), numeric_modules=frozenset() if anything else _numeric_modules(bindings),
-                   numeric=frozenset() if anything else frozenset({"float", "int"} - bindings.keys()),
+                   numeric=frozenset() if anything else _NUMERIC_BUILTINS - bindings.keys(),
                    imported=frozenset() if anything else frozenset(_from_numeric_modules(tree, bindings)),
                    torch_names=frozenset() if anything else frozenset(
                        name for name, vs in bindings.items() if _imported_only(vs, "torch")))
@@ -270,7 +270,7 @@ def _imported_only(values: list[ast.AST | None], module: str) -> bool:
 
 def _constant(v: ast.AST | None, scope: _Scope) -> bool:
     """A literal, arithmetic over constants (names found constant, `math`'s or numpy's constants and
-    functions, Triton's `next_power_of_2`/`cdiv`, `float("inf")`, a dtype's limits), `constexpr(...)` of one, or an attribute of Triton's
+    functions, Triton's `next_power_of_2`/`cdiv`, `float("inf")`, `max(16, N)`, a dtype's limits), `constexpr(...)` of one, or an attribute of Triton's
     (`tl.float32`). What it evaluates to is checked again at each launch (`launch_guard`): a plain
     number or Triton's own."""
     if isinstance(v, ast.Constant):
@@ -304,6 +304,7 @@ def _constant(v: ast.AST | None, scope: _Scope) -> bool:
     return False
 
 
+_NUMERIC_BUILTINS = frozenset({"float", "int", "abs", "max", "min", "round"})  # numbers of numbers
 _TRITON_ARITHMETIC = frozenset({"next_power_of_2", "cdiv"})  # `triton.next_power_of_2(300)`: a plain int
 _DTYPE_LIMITS = {"finfo": {"min", "max", "eps", "tiny", "smallest_normal", "resolution", "bits"},
                  "iinfo": {"min", "max", "bits"}}

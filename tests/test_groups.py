@@ -75,3 +75,16 @@ def test_the_speedup_pairs_each_timed_call_with_its_neighbour():
     assert judge.speedup_interval(drift, drift, seed=0) == (1.0, 1.0)
     assert judge.speedup_interval([2 * d for d in drift], drift, seed=0) == (2.0, 2.0)
     assert judge.median(judge.pair_ratios([2 * d for d in drift], drift)) == 2.0
+
+
+def test_a_candidate_slow_to_build_leaves_the_next_ones_their_whole_time():
+    """Each turn has the whole `timeout`, the twin's calls in it too: a candidate that spends most
+    of its own time building does not run the group's twin out of time on the candidates after it."""
+    slow = relu_candidate("return launch(x)", init="def __init__(self):\n        super().__init__()\n"
+                                                   "        time.sleep(6.0)", extra="\nimport time\n")
+    relu = str(TASKS / "1_ReLU.py")  # two turns of 6 s and more: past one `timeout` of 10 s
+    batch = [(relu, slow), (relu, slow + "# two\n"), (relu, LEGIT_RELU)]
+    with Evaluator(cfg(timeout=10), workers=1) as ev:
+        results = ev.evaluate_many(batch)
+    assert [r.verdict for r in results] == ["correct"] * 3, [(r.verdict, r.error) for r in results]
+    assert results[1].details["overhead_s"]["group"] == 3  # judged in one job

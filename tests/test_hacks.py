@@ -288,6 +288,70 @@ def test_bad_output_structure():
     assert_hack(run("1_ReLU.py", relu_candidate("return (launch(x),)")), "bad_output_type")
 
 
+MAX_WITH_INDICES = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+
+
+    class Model(nn.Module):
+        def forward(self, x):
+            return torch.max(x, dim=1)
+
+
+    def get_inputs():
+        return [torch.rand(8, 64)]
+
+
+    def get_init_inputs():
+        return []
+''')
+
+ROW_MAX = textwrap.dedent('''
+    import torch
+    import torch.nn as nn
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def row_max_kernel(x_ptr, val_ptr, idx_ptr, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * n_cols + cols, mask=cols < n_cols, other=float("-inf"))
+        v, i = tl.max(x, axis=0, return_indices=True)
+        tl.store(val_ptr + row, v)
+        tl.store(idx_ptr + row, i.to(tl.int64))
+
+
+    class ModelNew(nn.Module):
+        def forward(self, x):
+            x = x.contiguous()
+            rows, cols = x.shape
+            vals = torch.empty(rows, device=x.device, dtype=x.dtype)
+            idx = torch.empty(rows, device=x.device, dtype=torch.int64)
+            row_max_kernel[(rows,)](x, vals, idx, cols, BLOCK=triton.next_power_of_2(cols))
+            return RETURNED
+''')
+
+
+@pytest.mark.parametrize("returned", ["vals, idx", "[vals, idx]", "torch.return_types.max((vals, idx))"])
+def test_values_and_indices_pass_as_a_tuple_a_list_or_torchs_own_named_tuple(tmp_path, returned):
+    """A reference returning `torch.max(x, dim)` (a named tuple): the candidate's two tensors in any
+    of the sequences an honest kernel returns them in are the same output."""
+    task = tmp_path / "15_Max_With_Indices.py"
+    task.write_text(MAX_WITH_INDICES)
+    r = shared_evaluate(str(task), ROW_MAX.replace("RETURNED", returned), cfg())
+    assert r.verdict == "correct", (r.verdict, r.error)
+
+
+def test_a_class_made_to_look_like_torchs_named_tuple_is_a_bad_output_type():
+    import torch
+    from drkernel import compare
+    fake = type("max", (tuple,), {"__module__": "torch.return_types"})
+    assert compare.bad_type(fake((1, 2))) is not None
+    assert compare.bad_type(torch.return_types.max((torch.zeros(1), torch.zeros(1)))) is None
+
+
 def test_degenerate_output(tmp_path):
     task = tmp_path / "tiny_scale.py"
     task.write_text(textwrap.dedent('''
@@ -616,6 +680,7 @@ def test_the_source_scan_finds_tasks_on_torchs_own_threads(snippet):
     "torch._C._set_cudnn_allow_tf32(True)",
     "torch.set_flush_denormal(True)",
     "self.matmul.allow_tf32 = True",  # only a field of self itself is the module's own
+    "flags = {'allow_tf32': True}",  # a flag's name held with another value than its default
 ])
 def test_the_source_scan_finds_numerics_flags_set(snippet):
     """Flags that trade precision for speed: the reference is timed without them, and one turned on
@@ -640,6 +705,7 @@ def test_the_source_scan_finds_numerics_flags_set(snippet):
     "w = getattr(self, f'conv{i}_{j}')",  # its literal beginning rules out every frame-reaching name
     "w = getattr(self, f'{name}_wt')\nb = getattr(self, name + '_bias')\nm = getattr(self.seq, str(i))",
     "self.allow_tf32 = allow_tf32",  # the module's own setting, handed to tl.dot
+    "KERNEL_OPTS = {'allow_tf32': False, 'BM': 16}",  # options for a kernel's own parameter, at the default
     "def relu_kernel(x_ptr):\n    'aten::relu replacement: one block per program.'",  # prose
 ])
 def test_the_source_scan_passes_what_honest_kernels_write(snippet):

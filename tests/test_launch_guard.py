@@ -191,6 +191,8 @@ def test_constants_may_be_built_from_math_but_not_from_a_rebound_math():
     ("import math as m", "C = m.sqrt(2.0 / m.pi)", "m"),  # math under another name
     ("FP64 = False", "C = tl.float64 if FP64 else tl.float32", "FP64"),  # a choice between constants
     ("N = 3", "C = tl.constexpr(4 if N > 2 and N != 5 else 8)", "N"),
+    ("DIM = 100", "C = tl.constexpr(max(16, triton.next_power_of_2(DIM)))", "max"),  # numeric builtins
+    ("DIM = 100", "C = tl.constexpr(min(abs(-DIM), round(2.5)))", "abs"),
 ])
 def test_the_source_scan_knows_constants_the_way_kernels_write_them(header, constant, part):
     """Constants that LLM-written kernels hold; the same with any part rebound or made by a call of
