@@ -70,11 +70,23 @@ def _group_sums(values: Tensor, mask: Tensor, index: Tensor, num_groups: int) ->
     return sums[index], counts[index]
 
 
+def _tied(values: Tensor, mask: Tensor, index: Tensor, num_groups: int) -> Tensor:
+    """[B, T]: every valid member of the (group, turn) holds the same value. Their advantage is
+    exactly 0, where float rounding of the group's sum would leave ~1 ulp (and group scaling
+    would blow that up): such samples must be skipped, not pushed all one way."""
+    slots = index[:, None].expand_as(values)
+    hi = torch.full((num_groups, values.shape[1]), -torch.inf, dtype=values.dtype)
+    lo = torch.full((num_groups, values.shape[1]), torch.inf, dtype=values.dtype)
+    hi = hi.scatter_reduce(0, slots, torch.where(mask, values, -torch.inf), "amax")
+    lo = lo.scatter_reduce(0, slots, torch.where(mask, values, torch.inf), "amin")
+    return (hi == lo)[index]
+
+
 def _leave_one_out(values: Tensor, mask: Tensor, index: Tensor, num_groups: int) -> Tensor:
-    """values - mean(values of the other valid members); 0 when there is no other member."""
+    """values - mean(values of the other valid members); 0 when there is no other member or all are equal."""
     sums, counts = _group_sums(values, mask, index, num_groups)
     others = counts - 1.0
-    has_others = mask & (others > 0)
+    has_others = mask & (others > 0) & ~_tied(values, mask, index, num_groups)
     baseline = (sums - values) / others.clamp(min=1.0)
     return torch.where(has_others, values - baseline, torch.zeros_like(values))
 
@@ -94,7 +106,8 @@ def compute_advantages(
              (trajectories whose turn 0 is invalid get 0)
     - grpo:  G(i,t) - mean_{j valid at t, same group, j = i included} G(j,t);
              scale="group" divides by the population std (unbiased=False) + 1e-6
-    A trajectory with no other valid member at that turn gets 0 for every estimator.
+    A trajectory with no other valid member at that turn, or whose valid members there all hold
+    the same value, gets exactly 0 for every estimator.
     `scale` is only used by grpo ("none" for the others).
     """
     _check_inputs(rewards, turn_mask, group_ids)
@@ -106,6 +119,8 @@ def compute_advantages(
         raise ValueError(f"scale={scale!r} is only defined for estimator='grpo'")
 
     mask = turn_mask.bool()
+    if not torch.isfinite(_float(rewards)[mask]).all():  # masked slots may hold garbage; valid ones may not
+        raise ValueError("rewards of valid turns must be finite")
     returns = discounted_returns(rewards, mask, gamma)
     index, num_groups = _group_index(group_ids)
     zero = torch.zeros_like(returns)
@@ -126,4 +141,4 @@ def compute_advantages(
         sq, _ = _group_sums(adv.pow(2), mask, index, num_groups)
         std = (sq / counts.clamp(min=1.0)).sqrt()
         adv = adv / (std + STD_EPS)
-    return torch.where(mask & (counts > 1), adv, zero)
+    return torch.where(mask & (counts > 1) & ~_tied(returns, mask, index, num_groups), adv, zero)

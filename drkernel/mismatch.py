@@ -79,10 +79,12 @@ def _is_weights(log_w: Tensor, valid: Tensor, has_tok: Tensor, cfg: MismatchConf
 def _rejections(log_w: Tensor, valid: Tensor, has_tok: Tensor, cfg: MismatchConfig,
                 trajectory: Tensor | None) -> tuple[Tensor, Tensor]:
     """[N] rows rejected by the geometric-mean bounds and by the token veto (rows without a valid
-    token never are)."""
+    token never are). `log_w` unclamped: the mean is clamped, not each token (KernelGYM's
+    `mismatch_helper.py`), so one extreme token counts in full in a long trajectory's mean."""
     geo_reject = torch.zeros_like(has_tok)
     veto_reject = torch.zeros_like(has_tok)
-    mean_log_w = mean_log_ratio(log_w, valid, trajectory if cfg.geo_scope == "trajectory" else None)
+    scope = trajectory if cfg.geo_scope == "trajectory" else None
+    mean_log_w = mean_log_ratio(log_w, valid, scope).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if cfg.geo_low is not None:
         geo_reject |= mean_log_w < math.log(cfg.geo_low)
     if cfg.geo_high is not None:
@@ -111,7 +113,8 @@ def mismatch_correction(
     with torch.no_grad():
         valid = mask.bool()
         zero = torch.zeros((), dtype=old_logp.dtype)
-        log_w = torch.where(valid, old_logp - rollout_logp, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        raw = torch.where(valid, old_logp - rollout_logp, zero)
+        log_w = raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         has_tok = valid.any(-1)
         n_seq = max(int(has_tok.sum()), 1)
         fvalid = valid.to(old_logp.dtype)
@@ -123,7 +126,7 @@ def mismatch_correction(
         geo_reject = veto_reject = torch.zeros_like(has_tok)
         if cfg.enabled:
             weights, clipped_frac, seq_clipped_frac = _is_weights(log_w, valid, has_tok, cfg)
-            geo_reject, veto_reject = _rejections(log_w, valid, has_tok, cfg, trajectory)
+            geo_reject, veto_reject = _rejections(raw, valid, has_tok, cfg, trajectory)
         keep_seq = ~(geo_reject | veto_reject)
 
         keep_mask = keep_seq[:, None].expand_as(valid).clone()

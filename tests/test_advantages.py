@@ -166,6 +166,22 @@ def test_trloo_zero_mean_per_group_turn():
     close(adv.view(2, 3, 2).sum(1), torch.zeros(2, 2))
 
 
+@pytest.mark.parametrize("estimator, scale", [("trloo", "none"), ("rloo", "none"), ("grpo", "none"), ("grpo", "group")])
+@pytest.mark.parametrize("value", [2.2, 2.9, 1.1])
+def test_a_group_whose_members_all_tie_gets_exactly_zero(estimator, scale, value):
+    """Sixteen float32 rewards of 2.2 at every turn: the leave-one-out mean rounds ~1 ulp away from
+    the shared return, which group scaling would blow up to +-0.6; a tie is exactly 0, so the
+    trainer skips it. Where turn 0 differs, later turns still tie (their returns do)."""
+    mask, groups = torch.ones(16, 3, dtype=torch.bool), torch.zeros(16, dtype=torch.long)
+    rewards = torch.full((16, 3), value)
+    assert (compute_advantages(rewards, mask, groups, estimator, 1.0, scale) == 0).all()
+    rewards[5:, 0] = 0.5
+    adv = compute_advantages(rewards, mask, groups, estimator, 1.0, scale)
+    assert (adv[:, 0] != 0).all()
+    if estimator != "rloo":  # rloo gives every turn the trajectory's turn-0 advantage
+        assert (adv[:, 1:] == 0).all(), adv[:, 1:]
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="estimator"):
         compute_advantages(REWARDS, MASK, GROUPS, "ppo")
@@ -177,3 +193,7 @@ def test_bad_inputs():
         compute_advantages(REWARDS[0], MASK[0], GROUPS)
     with pytest.raises(ValueError, match="scale"):
         compute_advantages(REWARDS, MASK, GROUPS, "grpo", scale="batch")
+    infinite = REWARDS.clone()
+    infinite[0, 0] = math.inf  # a valid turn's reward
+    with pytest.raises(ValueError, match="finite"):
+        compute_advantages(infinite, MASK, GROUPS)

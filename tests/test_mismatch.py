@@ -66,6 +66,16 @@ def test_geo_mean_rejection_boundary():
     assert m["veto_reject_rate"] == 0.0
 
 
+def test_one_extreme_token_counts_in_full_in_a_long_trajectorys_mean():
+    """KernelGYM averages the raw log-ratios and clamps the mean: one token 25 nats off in 22,000
+    moves the mean to 1.14e-3 > log(1.001) (rejected); clamping it to 20 first would keep it."""
+    old = torch.zeros(1, 22000, dtype=torch.float64)
+    old[0, 7] = 25.0
+    _, keep, _ = mismatch_correction(old, torch.zeros_like(old), torch.ones_like(old, dtype=torch.bool),
+                                     MismatchConfig())
+    assert not keep.any()
+
+
 def test_geo_mean_ignores_masked_tokens():
     old = torch.tensor([[0.0, 0.0, 5.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
