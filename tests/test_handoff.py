@@ -1,6 +1,7 @@
 """The two-stage hand-off: SFT writes a model (full weights or a LoRA adapter) that the RL stage
 loads with `--model <sft output>/final` and trains for a step."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -36,8 +37,10 @@ def test_rl_step_from_sft_output(tiny_model_dir, tmp_path, lora_r):
     final = sft_out / "final"
     assert (final / ("adapter_config.json" if lora_r else "config.json")).is_file()
 
-    def short_answers(sample):  # a cheap scripted reward: no evaluator needed for the hand-off
-        return 1.0 / (1 + len(sample.response_ids))
+    ranks = itertools.count()
+
+    def distinct_rewards(sample):  # a cheap scripted reward: no evaluator needed for the hand-off;
+        return float(next(ranks))  # a tie (every answer as long) would give every sample advantage 0
 
     rl_out = tmp_path / "rl"
     cfg = TrainConfig(model=str(final), output_dir=str(rl_out), max_steps=1, tasks_per_step=1,
@@ -45,7 +48,7 @@ def test_rl_step_from_sft_output(tiny_model_dir, tmp_path, lora_r):
                       micro_batch_size=3, log_with="none", save_steps=1, save_total_limit=0,
                       dump_rollouts=False, seed=0)
     trainer = Trainer(cfg, tasks=load_bundled([1]), evaluate_fn=lambda pairs: [EvalResult() for _ in pairs],
-                      sample_reward_fn=short_answers)
+                      sample_reward_fn=distinct_rewards)
     before = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
     history = trainer.train()
     assert len(history) == 1 and history[0]["step"] == 1
