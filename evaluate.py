@@ -60,13 +60,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
-from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, Resolved, TaskSelection, cache_dir_problem,
+from drkernel.config import (NON_NEGATIVE, WORKERS, ConfigError, Limit, Resolved, TaskSelection, cache_dir_problem,
                              compose, create_output, interruptible, limit_problems, output_problem, script_config)
 from drkernel.evalcache import cacheable, fingerprint, result_problem, verdict_settings, with_environment
 from drkernel.evaltypes import VERDICTS
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.jsonl import JsonlWriter, backup_path, field_problem, first_reasons, iter_jsonl, rewrite_keeping_backup
-from drkernel.layouts import Candidate, LayoutError, Scan, Skipped, attempt_name, scan_candidates
+from drkernel.layouts import MAX_SAMPLES, Candidate, LayoutError, Scan, Skipped, attempt_name, scan_candidates
 from drkernel.report import report_problems
 from drkernel.tasks import Task, text_digest
 
@@ -107,7 +107,7 @@ class EvaluateConfig(TaskSelection):
                             "require_confinement": "require_confinement"}),)
     # the values each setting accepts, beside those EvalConfig.LIMITS declares for the mirrored ones
     # (drkernel.config: trials, perf_trials, timeout, ... through SHARED)
-    LIMITS = {"workers": WORKERS, "samples": COUNT, "chunk_size": NON_NEGATIVE}
+    LIMITS = {"workers": WORKERS, "samples": Limit(1, MAX_SAMPLES - 1), "chunk_size": NON_NEGATIVE}
 
     candidates: str = dataclasses.field(default="", metadata={
         "help": "directory (see drkernel/layouts.py) or .jsonl of generations; empty = bundled solutions"})

@@ -614,7 +614,11 @@ def _plan_arena(r: Reference, warm: list, ref_out) -> None:
     r.ref_aliases = compare.overlap(compare.ranges(compare.tensors(ref_out)), compare.ranges(compare.tensors(warm)))
     r.layout = ipc.plan(warm, compare.tensors(ref_out))
     r.details["output_structure"] = json.loads(json.dumps(compare.structure(ref_out), default=str))
-    r.arena, r.handle = ipc.allocate(r.layout, r.device, os.path.dirname(r.twin.dir))
+    try:
+        r.arena, r.handle = ipc.allocate(r.layout, r.device, os.path.dirname(r.twin.dir))
+    except OSError as err:  # a file on the CPU: past the sandbox's file-size limit, or no disk left
+        raise Stop("reference_error", f"the reference's inputs and outputs ({r.layout.nbytes / 2**30:.1f} GiB) do not "
+                                      f"fit in the judge's arena file: {err.strerror or err}") from None
     if r.cuda and r.cfg.l2_flush:  # after the arena's emptied cache: carved out of a freed input-sized
         # block, these 256 MB (more than L2) would keep the whole block from ever being released
         r.flush = torch.empty(2**26, dtype=torch.float32, device=r.device)

@@ -105,6 +105,9 @@ class Scan:
     def add_file(self, path: Path, level: int | None, problem_id: int, sample: int = 0,
                  name: str | None = None) -> None:
         """The candidate in `path`, or a skipped entry when it cannot be read as UTF-8 text."""
+        if sample >= MAX_SAMPLES:
+            self.skip(path, f"sample {sample} is not below {MAX_SAMPLES}", attempt_name(level, problem_id, 0, 0, name))
+            return
         try:
             code = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -203,8 +206,15 @@ def _scan_directory(root: Path) -> Scan:
 # JSONL generations
 # --------------------------------------------------------------------------------------
 
-def _count_field(row: dict, key: str, required: bool) -> int:
-    """The non-negative integer `row[key]` (absent or null: 0 unless required); ValueError says why not."""
+# the most samples per problem and turns per sample an attempt may name: the metrics count every
+# (problem, sample, turn) up to the largest named, so one row's `"sample": 10**9` would fill memory
+MAX_SAMPLES = 10_000
+MAX_TURNS = 1_000
+
+
+def _count_field(row: dict, key: str, required: bool, below: int | None = None) -> int:
+    """The non-negative integer `row[key]` (absent or null: 0 unless required), under `below`;
+    ValueError says why not."""
     value = row.get(key)
     if value is None:
         if required:
@@ -212,13 +222,15 @@ def _count_field(row: dict, key: str, required: bool) -> int:
         return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"`{key}` must be a non-negative integer, not {str(value)[:40]!r}")
+    if below is not None and value >= below:
+        raise ValueError(f"`{key}` must be below {below}, not {value}")
     return value
 
 
 def _generation(row: dict, where: str) -> Candidate:
     """The candidate of one generations row (ValueError: why the row is unusable)."""
     level, pid = _count_field(row, "level", True), _count_field(row, "problem_id", True)
-    sample, turn = _count_field(row, "sample", False), _count_field(row, "turn", False)
+    sample, turn = _count_field(row, "sample", False, MAX_SAMPLES), _count_field(row, "turn", False, MAX_TURNS)
     code = row.get("code")
     if code is not None and not isinstance(code, str):
         raise ValueError(f"`code` must be a string or null, not {json.dumps(code)[:40]}")

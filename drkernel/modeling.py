@@ -24,6 +24,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from drkernel.config import error_line
 
 OFFLINE_DEFAULT = "smollm2"  # sentinel for `--model`: the PyPI-shipped SmolLM2 GGUF
@@ -185,7 +187,7 @@ class ModelLoadError(ValueError):
 
 # what transformers raises for a bad name or file; struct.error: a GGUF file cut short (its reader unpacks
 # past the end)
-_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError, struct.error)
+_LOAD_ERRORS = (OSError, ValueError, KeyError, TypeError, ImportError, struct.error, SafetensorError)
 
 
 def _load_problem(exc: BaseException) -> str:
@@ -239,9 +241,12 @@ def load_model(name: str, dtype: str = "auto", gradient_checkpointing: bool = Fa
         targets: Any = lora_target_modules
         if targets != "all-linear":
             targets = [t.strip() for t in targets.split(",") if t.strip()]
-        model = get_peft_model(model, LoraConfig(
-            r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-            target_modules=targets, task_type="CAUSAL_LM"))
+        try:
+            model = get_peft_model(model, LoraConfig(
+                r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                target_modules=targets, task_type="CAUSAL_LM"))
+        except ValueError as exc:  # peft's: no module of the model matches the names given
+            raise ModelLoadError(f"lora_target_modules {lora_target_modules!r}: {error_line(exc)}") from None
     if gradient_checkpointing:
         enable_gradient_checkpointing(model, gradient_checkpointing_every)
     make_saveable(model, name)

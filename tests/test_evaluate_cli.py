@@ -224,6 +224,26 @@ def test_mistyped_rows_and_unknown_problems_are_skipped_and_named(tmp_path, fake
     assert s["num_problems"] == 4 and s["num_missing"] == 3 and s["correct_rate"] == 0.25
 
 
+def test_a_row_or_file_naming_a_huge_sample_or_turn_is_skipped_not_counted(tmp_path, fake):
+    """The metrics count every (problem, sample, turn) up to the largest named: `"sample": 10**9`
+    in one row would fill memory counting a billion missing attempts."""
+    rows = [_gen(1), _gen(1, sample=10**9), _gen(1, turn=10**9)]
+    gen = _write_jsonl(tmp_path / "gen.jsonl", rows)
+    s = evaluate.main(["--candidates", str(gen), "--problem_ids", "1", "--output_dir", str(tmp_path / "eval"),
+                       "--device", "cpu"])
+    skipped = _skipped(s)
+    assert "`sample` must be below 10000" in skipped[(f"{gen}:2", "level 0 problem 1 sample 1000000000 turn 0")]
+    assert "`turn` must be below 1000" in skipped[(f"{gen}:3", "level 0 problem 1 sample 0 turn 1000000000")]
+    assert s["num_missing"] == 0 and len(fake["ev"].evaluated) == 1
+    cands = tmp_path / "cands"
+    cands.mkdir()
+    (cands / "level_0_problem_1_sample_0.py").write_text("class ModelNew: pass\n")
+    (cands / "level_0_problem_1_sample_123456789.py").write_text("class ModelNew: pass\n")
+    s = evaluate.main(["--candidates", str(cands), "--problem_ids", "1", "--output_dir", str(tmp_path / "flat"),
+                       "--device", "cpu"])
+    assert any("not below 10000" in why for why in _skipped(s).values()), _skipped(s)
+
+
 def test_unknown_and_undecodable_candidate_files_are_named(tmp_path, fake):
     cands = tmp_path / "cands"
     cands.mkdir()

@@ -321,3 +321,16 @@ def test_a_counterfactual_that_stays_right_is_asked_again_on_other_draws(monkeyp
                               details={}, ref=None, hack=lambda code, detail, stop=True: hacks.append(code))
     judge.check_needed(j, signed=False)
     assert hacks == [] and j.flow.unneeded == set() and j.flow.moved == {"k": False}
+
+
+def test_inputs_past_the_file_size_limit_are_the_references_failure(monkeypatch):
+    """On a CPU the judge's arena is a file: a problem whose inputs and outputs are larger than the
+    sandbox lets one file grow (KernelBench's full sizes, 6 GiB) is `reference_error` with one line,
+    never the candidate's `crashed` with the judge's traceback."""
+    from drkernel import evaluator
+    from drkernel.sandbox import SandboxLimits
+    monkeypatch.setattr(evaluator, "_limits", lambda cfg, jobs=1: SandboxLimits(timeout_s=60.0 * jobs, max_file_mb=1))
+    big = (TASKS / "1_ReLU.py").read_text().replace("torch.rand(batch_size, dim)", "torch.rand(512, 1024)")
+    with Evaluator(EvalConfig(device="cpu", trials=1, cpu_perf_trials=1, warmup=1), workers=1) as ev:
+        r = ev.evaluate(big, (SOLUTIONS / "1_ReLU.py").read_text())
+    assert r.verdict == "reference_error" and "arena" in r.error and "Traceback" not in r.error, (r.verdict, r.error)

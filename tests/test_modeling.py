@@ -140,6 +140,21 @@ def test_a_model_that_cannot_be_loaded_is_one_clear_error(tmp_path):
         load_model(str(tmp_path), dtype="foo")
 
 
+def test_cut_weights_and_unknown_lora_targets_are_one_clear_error(tmp_path, tiny_model_dir):
+    """A `model.safetensors` cut by a full disk or a killed copy (safetensors' own error type), and
+    LoRA target names no module of the model has (peft's): one line each, like any bad model."""
+    import shutil
+
+    from drkernel.modeling import ModelLoadError, load_model
+    with pytest.raises(ModelLoadError, match="^lora_target_modules 'foo': NoMatchingPeftModuleError"):
+        load_model(str(tiny_model_dir), lora_r=4, lora_target_modules="foo")
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir, cut)
+    (cut / "model.safetensors").write_bytes((tiny_model_dir / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match=f"^cannot load a model from '{cut}': SafetensorError"):
+        load_model(str(cut))
+
+
 @pytest.mark.parametrize("cut", ["header", "4000 bytes"])
 def test_a_gguf_file_cut_short_is_one_clear_error(tmp_path, cut):
     """The GGUF reader unpacks past the end of a cut file (struct.error): one line, like any bad model."""
