@@ -108,6 +108,10 @@ class Scan:
         if sample >= MAX_SAMPLES:
             self.skip(path, f"sample {sample} is not below {MAX_SAMPLES}", attempt_name(level, problem_id, 0, 0, name))
             return
+        if not path.is_file():  # reading a FIFO or /dev/zero would never end
+            self.skip(path, "not a regular file (a link to nothing, a FIFO, a device or a directory)",
+                      attempt_name(level, problem_id, sample, 0, name))
+            return
         try:
             code = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -148,7 +152,7 @@ def _sample_of(entry: Path) -> int | None:
     """The sample a problem directory's entry holds: `sample_K.py`, `sample_K/`, `kernel.py` (0)."""
     if entry.is_dir():
         m = RUNS_SAMPLE.match(entry.name)
-    elif entry.is_file() and entry.suffix == ".py":
+    elif entry.suffix == ".py":  # a link to nothing or a FIFO too: `Scan.add_file` names it
         m = RUNS_SAMPLE.match(entry.stem)
         if not m and entry.name == "kernel.py":
             return 0
@@ -174,7 +178,7 @@ def _scan_runs(root: Path, scan: Scan) -> None:
 
 def _scan_flat(root: Path, scan: Scan) -> None:
     numeric, named = [], []
-    for p in sorted(p for p in root.glob("*.py") if p.is_file()):
+    for p in sorted(root.glob("*.py")):  # whatever the entry is: `Scan.add_file` names what it cannot read
         m = FLAT.match(p.name) or FLAT_KB.match(p.name)
         if m:
             numeric.append((p, m))

@@ -244,6 +244,19 @@ def test_a_row_or_file_naming_a_huge_sample_or_turn_is_skipped_not_counted(tmp_p
     assert any("not below 10000" in why for why in _skipped(s).values()), _skipped(s)
 
 
+def test_a_sample_that_is_no_regular_file_is_named_in_a_runs_folder(tmp_path, fake):
+    problem = tmp_path / "runs" / "level_0" / "problem_1"
+    problem.mkdir(parents=True)
+    (problem / "sample_0.py").write_text("class ModelNew: pass\n")
+    (problem / "sample_5.py").symlink_to(tmp_path / "nowhere.py")
+    os.mkfifo(problem / "sample_7.py")
+    s = evaluate.main(["--candidates", str(tmp_path / "runs"), "--problem_ids", "1", "--output_dir",
+                       str(tmp_path / "eval"), "--device", "cpu"])
+    skipped = _skipped(s)
+    for k in (5, 7):
+        assert "not a regular file" in skipped[(str(problem / f"sample_{k}.py"), f"level 0 problem 1 sample {k} turn 0")]
+
+
 def test_unknown_and_undecodable_candidate_files_are_named(tmp_path, fake):
     cands = tmp_path / "cands"
     cands.mkdir()
@@ -251,14 +264,18 @@ def test_unknown_and_undecodable_candidate_files_are_named(tmp_path, fake):
     (cands / "0_2.py").write_bytes(b"class ModelNew: pass\n\xff\xfe\x00binary")
     (cands / "0_77.py").write_text("class ModelNew: pass\n")
     (cands / "1_1.py").write_text("class ModelNew: pass\n")  # bundled tasks ignore the level: problem 1 again
-    s = evaluate.main(["--candidates", str(cands), "--problem_ids", "1,2", "--output_dir", str(tmp_path / "eval"),
+    (cands / "0_3.py").symlink_to(tmp_path / "nowhere.py")  # a link to nothing
+    os.mkfifo(cands / "0_4.py")  # reading it would wait forever
+    s = evaluate.main(["--candidates", str(cands), "--problem_ids", "1,2,3,4", "--output_dir", str(tmp_path / "eval"),
                        "--device", "cpu"])
     assert [Path(c).name for _, c in fake["ev"].evaluated] == ["0_1.py"]
     skipped = _skipped(s)
     assert "not UTF-8" in skipped[(str(cands / "0_2.py"), "level 0 problem 2 sample 0 turn 0")]
     assert "no such problem" in skipped[(str(cands / "0_77.py"), "level 0 problem 77 sample 0 turn 0")]
     assert "a second candidate" in skipped[(str(cands / "1_1.py"), "level 0 problem 1 sample 0 turn 0")]
-    assert s["num_problems"] == 2 and s["correct_rate"] == 0.5
+    for k in (3, 4):
+        assert "not a regular file" in skipped[(str(cands / f"0_{k}.py"), f"level 0 problem {k} sample 0 turn 0")]
+    assert s["num_problems"] == 4 and s["correct_rate"] == 0.25
 
 
 @pytest.mark.parametrize("content, says", [
