@@ -1199,14 +1199,14 @@ def speedup_interval(ref_ms: list[float], cand_ms: list[float], seed: int, n: in
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
-def _precise(j: Judge, ref_ms: list[float], cand_ms: list[float]) -> bool:
-    """The interval is narrower than `speedup_precision` of the speedup."""
+def _precision(j: Judge, ref_ms: list[float], cand_ms: list[float]) -> tuple[float, float, bool]:
+    """The speedup's interval, and whether it is narrower than `speedup_precision` of the speedup."""
     lo, hi = speedup_interval(ref_ms, cand_ms, j.ref.seed)
-    return (hi - lo) <= j.cfg.speedup_precision * median(pair_ratios(ref_ms, cand_ms))
+    return lo, hi, (hi - lo) <= j.cfg.speedup_precision * median(pair_ratios(ref_ms, cand_ms))
 
 
 def _precise_enough(j: Judge, ref_ms: list[float], cand_ms: list[float]) -> bool:
-    return len(cand_ms) >= j.cfg.min_perf_trials and _precise(j, ref_ms, cand_ms)
+    return len(cand_ms) >= j.cfg.min_perf_trials and _precision(j, ref_ms, cand_ms)[2]
 
 
 def time_interleaved(j: Judge) -> None:
@@ -1338,9 +1338,8 @@ def _record_speed(j: Judge, ref_ms: list[float], ref_walls: list[float], events:
     # checks): what a study of the timing's noise needs (bench/ref_self.py)
     j.details["timed_ms"] = {"reference": [round(x, 5) for x in ref_ms], "candidate": [round(x, 5) for x in events]}
     if j.out.speedup is not None:
-        lo, hi = speedup_interval(ref_ms, events, j.ref.seed)
+        lo, hi, j.out.speedup_precise = _precision(j, ref_ms, events)
         j.out.speedup_interval = [lo * scale, hi * scale]
-        j.out.speedup_precise = _precise(j, ref_ms, events)
 
 
 def _check_reference_slowed(j: Judge) -> None:
