@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import sys
 import tempfile
 import typing
@@ -68,6 +69,7 @@ from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.jsonl import JsonlWriter, backup_path, field_problem, first_reasons, iter_jsonl, rewrite_keeping_backup
 from drkernel.layouts import MAX_SAMPLES, Candidate, LayoutError, Scan, Skipped, attempt_name, scan_candidates
 from drkernel.report import report_problems
+from drkernel.runtime import previous_run
 from drkernel.tasks import Task, text_digest
 
 PROG = "evaluate.py"
@@ -162,11 +164,20 @@ def check_config(cfg: EvaluateConfig) -> None:
     problems = limit_problems(cfg)
     if cfg.denominator not in DENOMINATORS:
         problems.append(f"--denominator must be one of {', '.join(DENOMINATORS)}, not {cfg.denominator!r}")
-    if cfg.candidates and not Path(cfg.candidates).exists():
-        problems.append(f"--candidates {cfg.candidates}: no such file or directory")
+    if cfg.candidates and (problem := _candidates_problem(cfg.candidates)):
+        problems.append(f"--candidates {cfg.candidates}: {problem}")
     problems += output_problems(cfg)
     if problems:
         fail("; ".join(problems))
+
+
+def _candidates_problem(path: str) -> str | None:
+    """Why `--candidates` names nothing to read (a JSONL file or a folder), or None."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return exc.strerror.lower() if exc.strerror else str(exc)
+    return None if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode) else "not a regular file or a folder"
 
 
 def output_problems(cfg: EvaluateConfig) -> list[str]:
@@ -176,6 +187,9 @@ def output_problems(cfg: EvaluateConfig) -> list[str]:
     found = report_problems("--output_dir", cfg.output_dir)
     if not found:
         found.append(output_problem("--output_dir", str(Path(cfg.output_dir) / RESULTS_FILE)))
+    if not any(found) and (run := previous_run(cfg.output_dir)):
+        found.append(f"--output_dir {cfg.output_dir}: holds a training run ({first_reasons(run, sep=', ')}), whose "
+                     f"report this one would replace; give evaluate.py another --output_dir")
     found.append(cache_dir_problem("--cache_dir", cfg.cache_dir))
     return [p for p in found if p]
 

@@ -66,9 +66,9 @@ from tqdm import tqdm
 
 from drkernel import stts
 from drkernel.api_policy import ApiConfig, ApiError, ChatGenerator, Failure
-from drkernel.config import (COUNT, NON_NEGATIVE, WORKERS, ConfigError, ModelSelection, Resolved,
+from drkernel.config import (COUNT, NON_NEGATIVE, SEED, WORKERS, ConfigError, ModelSelection, Resolved,
                              TaskSelection, cache_dir_problem, changed_settings, compose, create_output, interruptible,
-                             limit_problems, output_problem, script_config)
+                             limit_problems, output_problem, same_setting, script_config)
 from drkernel.evalcache import result_problem
 from drkernel.evaluator import EvalConfig, EvalResult, resolve_device
 from drkernel.evaltypes import VERDICTS
@@ -124,7 +124,7 @@ class GenerateConfig(ModelSelection, TaskSelection):
     # the values each setting accepts, beside those the mirrored library configs declare
     # (drkernel.config: trials, perf_trials, timeout, ... obey EvalConfig.LIMITS through SHARED)
     LIMITS = {"samples_per_task": COUNT, "num_turns": COUNT, "max_prompt_tokens": COUNT, "tasks_per_batch": COUNT,
-              "workers": WORKERS, "seed": NON_NEGATIVE, "stts_iterations": COUNT, "stts_window": NON_NEGATIVE}
+              "workers": WORKERS, "seed": SEED, "stts_iterations": COUNT, "stts_window": NON_NEGATIVE}
     samples_per_task: int = dataclasses.field(default=1, metadata={"help": "trajectories per task (num_generations)"})
     num_turns: int = dataclasses.field(default=_Ro.num_turns, metadata={"help": "turns per trajectory (STTS: see --stts_window_counts)"})
     temperature: float = dataclasses.field(default=_G.temperature, metadata={"help": "0 = greedy"})
@@ -455,7 +455,7 @@ def _check_rows(path: Path, rows: list[dict], cfg: GenerateConfig, plan: list[in
     for i, r in enumerate(rows):
         if difference := _plan_difference(r, cfg, plan):
             fail(f"{path} was written with {difference} (row {i + 1}); {again}")
-        if r["model"] != policy_name:
+        if not same_setting(r["model"], policy_name):
             fail(f"{path} holds generations of {r['model']!r}, not {policy_name!r}; {again}")
     changed = _changed_settings(rows, cfg)
     if changed:
@@ -529,7 +529,7 @@ def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str, tasks: Sequen
     rounds, partial or failed rounds; also lines that are not JSON or not a usable row). The file is
     rewritten (atomically) when anything was dropped, copied aside first when lines that are not
     usable rows were (`rewrite_keeping_backup`). A file without one usable row but with
-    several lines is not a generate.py output, and one with a row that names another task than the
+    several lines, or with a whole JSON object, is not a generate.py output, and one with a row that names another task than the
     selected one of its key (`_check_tasks`) was written for other tasks: both are refused, not
     rewritten."""
     try:
@@ -539,7 +539,8 @@ def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str, tasks: Sequen
     problems = [(ln, ln.error if ln.row is None else row_problem(ln.row)) for ln in lines]
     good = [ln.row for ln, problem in problems if not problem]
     skipped = [f"line {ln.lineno}: {problem}" for ln, problem in problems if problem]
-    if not good and len(skipped) > 1:
+    whole = [ln for ln, problem in problems if problem and ln.row is not None]  # JSON, so no cut line
+    if not good and (len(skipped) > 1 or whole):
         fail(f"{path} holds no generate.py row ({skipped[0]}); pass another --output or --resume false")
     rounds = max([cfg.stts_iterations] + [r["iteration"] + 1 for r in good])
     plan = stts.round_turns(cfg.num_turns, cfg.stts_window, rounds, cfg.stts_window_counts)

@@ -28,6 +28,19 @@ def check_outputs(*outputs: tuple[str, str | Path | None, bool]) -> None:
             raise InputError(problem)
 
 
+def count(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (a batch, a length, a number of steps or repeats)."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 BAD_INPUT = (TaskError, DeviceError, ConfigError, InputError, OSError)
 
 

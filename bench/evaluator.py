@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.entry import check_outputs, exit_status  # noqa: E402
+from bench.entry import check_outputs, count, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, Evaluator, resolve_device  # noqa: E402
 from drkernel.tasks import load_kernelbench  # noqa: E402
@@ -89,7 +89,7 @@ def side_by_side(cases: list, cfg: EvalConfig, workers: int, repeats: int) -> li
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernelbench", default="../shared/kernelbench")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=count, default=3)
     ap.add_argument("--n-ref", type=int, default=10)
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--perf-trials", type=int, default=100)

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.entry import check_outputs, exit_status  # noqa: E402
+from bench.entry import check_outputs, count, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from bench.qwen2 import random_model  # noqa: E402
 from drkernel.generation import GenerationConfig, generate  # noqa: E402
@@ -78,12 +78,12 @@ def profile_run(fn) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=count, default=64)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--layers", type=int, default=QWEN25_05B["num_hidden_layers"])
-    ap.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="bf16 | fp16 | fp32 (default bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--repeats", type=count, default=3)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled static backend")
     ap.add_argument("--dynamic-shapes", action="store_true",
                     help="add a compiled run after two other prompt lengths: dynamo then compiles the decode "

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.entry import check_outputs, exit_status  # noqa: E402
+from bench.entry import check_outputs, count, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.modeling import enable_gradient_checkpointing  # noqa: E402
 from drkernel.sft import SFTLoss, sft_step  # noqa: E402
@@ -122,8 +122,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="CPU smoke: a tiny model, 2 x 64 tokens")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--batch", type=int, default=None, help="sequences per optimiser step (default 8)")
-    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048)")
+    ap.add_argument("--batch", type=count, default=None, help="sequences per optimiser step (default 8)")
+    ap.add_argument("--seq", type=count, default=None, help="tokens per sequence (default 2048)")
     ap.add_argument("--hidden", type=int, default=None)
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--heads", type=int, default=None)
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--intermediate", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--steps", type=count, default=None)
     ap.add_argument("--peak-flops", type=float, default=989e12, help="H200 bf16 dense")
     ap.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2)")
     ap.add_argument("--variants", default="", help="comma list of variant names (default: all)")

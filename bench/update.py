@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.entry import check_outputs, exit_status  # noqa: E402
+from bench.entry import check_outputs, count, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from bench.qwen2 import random_model  # noqa: E402
 from drkernel import modeling  # noqa: E402
@@ -215,8 +215,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shape on CPU (smoke test)")
     ap.add_argument("--device", default=None, help="cuda | cpu (default: cuda, or cpu with --tiny)")
-    ap.add_argument("--dtype", default=None, help="bf16 | fp32 (default: bf16 on CUDA, fp32 on CPU)")
-    ap.add_argument("--batch", type=int, default=None, help="sequences (default 8; 2 with --tiny)")
+    ap.add_argument("--dtype", default=None, choices=("bf16", "fp32"), help="bf16 | fp32 (default: bf16 on CUDA, fp32 on CPU)")
+    ap.add_argument("--batch", type=count, default=None, help="sequences (default 8; 2 with --tiny)")
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 2048; 64 with --tiny)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens of each sequence (no loss)")
     ap.add_argument("--hidden", type=int, default=None)
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=None)
     ap.add_argument("--variants", default=None, help="';'-separated, e.g. 'mb=4,ckpt=0,chunk=2048;plain'")
     ap.add_argument("--warmup", type=int, default=None, help="untimed updates per variant (default 2; 1 with --tiny)")
-    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--repeats", type=count, default=None)
     ap.add_argument("--peak-tflops", type=float, default=None, help="peak dense TFLOPS for MFU (auto on H100/H200/A100)")
     ap.add_argument("--mem-limit-gib", type=float, default=60.0, help="the summary's best variant must stay under this")
     default_out = (Path(os.environ["OUT"]) / "update.json" if os.environ.get("OUT")

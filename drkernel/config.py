@@ -130,13 +130,40 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     return cls(**{k: coerce(v, types_[k], k) for k, v in data.items()})
 
 
+def _repeated_key(root: Any) -> Any:
+    """The first key node that repeats a key of its own mapping, anywhere under `root`; None if none.
+    YAML keeps a repeated key's last value silently, so one of two settings would be dropped unseen."""
+    import yaml
+
+    todo, visited = [root], set()
+    while todo:
+        node = todo.pop()
+        if id(node) in visited:  # an alias met again (aliases may even point into themselves)
+            continue
+        visited.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            todo.extend(node.value)
+        if not isinstance(node, yaml.MappingNode):
+            continue
+        names = set()
+        for key, value in node.value:
+            name = (key.tag, key.value) if isinstance(key, yaml.ScalarNode) else id(key)
+            if name in names:
+                return key
+            names.add(name)
+            todo.append(value)
+    return None
+
+
 def load_yaml(path: str) -> dict[str, Any]:
-    """The mapping a YAML config file holds; a missing, unreadable, non-YAML or non-mapping file
-    is a one-line ConfigError."""
+    """The mapping a YAML config file holds; a missing, unreadable, non-YAML or non-mapping file,
+    or one that gives a key twice, is a one-line ConfigError."""
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        text = Path(path).read_text()
+        data = yaml.safe_load(text)
+        repeated = _repeated_key(yaml.compose(text))
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -146,6 +173,9 @@ def load_yaml(path: str) -> dict[str, Any]:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(f"--config {path}: not valid YAML ({getattr(exc, 'problem', None) or 'parse error'}"
                           f"{where})") from None
+    if repeated is not None:
+        raise ConfigError(f"--config {path}: {repeated.value!r} is given twice (line "
+                          f"{repeated.start_mark.line + 1}); keep one")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -189,6 +219,14 @@ def output_problem(option: str, path: str, is_dir: bool = False, writable: bool 
     kind = "directory" if is_dir else "file"
     if not str(path).strip():
         return f"{option} is empty (name a {kind})"
+    try:
+        return _path_problem(option, path, is_dir, writable)
+    except OSError as exc:  # a name too long, a loop of links: what the system says of it
+        return f"{option} {path}: {exc.strerror or exc}"
+
+
+def _path_problem(option: str, path: str, is_dir: bool, writable: bool) -> str | None:
+    kind = "directory" if is_dir else "file"
     p = Path(path)
     if p.is_symlink() and not p.exists():
         return f"{option} {path}: is a link to nothing ({os.readlink(p)})"
@@ -226,12 +264,16 @@ def cache_dir_problem(option: str, path: str) -> str | None:
     and cannot be made, would be silently unused. An existing one may be read-only (shared)."""
     if not path:
         return None
-    return output_problem(option, path, is_dir=True, writable=not Path(path).exists())
+    return output_problem(option, path, is_dir=True, writable=not os.path.exists(path))
+
+
+_HELD: dict[str, int] = {}  # outputs this process writes: real path -> descriptor holding its lock until exit
 
 
 def create_output(option: str, path: str, is_dir: bool = False) -> str | None:
     """Create an output now (a file left as it is, or empty), so that a path the system refuses
-    (a read-only file system, /proc) is one line before a model loads; why not, or None."""
+    (a read-only file system, /proc) is one line before a model loads, and hold it (`hold_output`);
+    why not, or None."""
     folder = Path(path) if is_dir else Path(path).parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -239,6 +281,28 @@ def create_output(option: str, path: str, is_dir: bool = False) -> str | None:
             Path(path).touch()
     except OSError as exc:
         return f"{option} {path}: cannot create it ({exc.strerror or exc})"
+    return hold_output(option, path)
+
+
+def hold_output(option: str, path: str) -> str | None:
+    """Lock an existing output (file or directory) for the rest of this process, so that a second
+    run writing there is refused instead of interleaving its results with this one's; why not, or
+    None. The lock is the kernel's (flock): it ends with the process, however it ends."""
+    import fcntl
+
+    key = os.path.realpath(path)
+    if key in _HELD:
+        return None
+    try:
+        fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return f"{option} {path}: cannot open it ({exc.strerror or exc})"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return f"{option} {path}: another run is writing there now; wait for it to end, or choose another"
+    _HELD[key] = fd
     return None
 
 
@@ -398,20 +462,23 @@ def disagreements(cls: type) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Limit:
     """The values a numeric setting accepts: finite numbers from `low` to `high`, each end
-    included unless open; `why` ends the error message."""
+    included unless open, and 0 too where `zero` says what 0 means; `why` ends the error message."""
 
     low: float = -math.inf
     high: float = math.inf
     low_open: bool = False
     high_open: bool = False
     why: str = ""
+    zero: str = ""
 
     def text(self) -> str:
         if self.low == -math.inf:
             return "a finite number"
         if self.high == math.inf:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+            span = f"{'>' if self.low_open else '>='} {self.low:g}"
+        else:
+            span = f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        return f"{span} or 0 ({self.zero})" if self.zero else span
 
     def problem(self, name: str, value: float | None) -> str | None:
         """None when `value` is allowed (or unset), else the sentence that says what is."""
@@ -419,7 +486,7 @@ class Limit:
             return None
         above = value > self.low if self.low_open else value >= self.low
         below = value < self.high if self.high_open else value <= self.high
-        if math.isfinite(value) and above and below:
+        if math.isfinite(value) and (above and below or bool(self.zero) and value == 0):
             return None
         need = self.text() if math.isfinite(value) or self.low == -math.inf else f"a finite number {self.text()}"
         return f"{name} must be {need}, got {value!r}" + (f" ({self.why})" if self.why else "")
@@ -469,6 +536,7 @@ FRACTION = Limit(0, 1)  # [0, 1]
 UP_TO_1 = Limit(0, 1, low_open=True)  # (0, 1]
 BELOW_1 = Limit(0, 1, high_open=True)  # [0, 1)
 WORKERS = Limit(0, 64, why="0 = auto; each is a sandbox of its own")  # evaluation workers of one process
+SEED = Limit(0, 2**32 - 1, why="the seeds torch, numpy and Accelerate take")
 
 def limits(cls: type) -> dict[str, Limit | OneOf]:
     """{field: Limit} of `cls`: its own `LIMITS` along the MRO, and the library classes' limits
@@ -575,6 +643,18 @@ class Change:
 
 def changed_settings(saved: dict[str, Any], cfg: Any) -> list[Change]:
     """The settings of `cfg` that differ from `saved` (compared as JSON; a key that only one side
-    has is skipped)."""
+    has is skipped; two spellings of one existing file or folder, `tiny` and `/abs/tiny/`, agree)."""
     now = json.loads(json.dumps(dataclasses.asdict(cfg)))
-    return [Change(k, saved[k], v) for k, v in now.items() if k in saved and saved[k] != v]
+    return [Change(k, saved[k], v) for k, v in now.items() if k in saved and not same_setting(saved[k], v)]
+
+
+def same_setting(then: Any, now: Any) -> bool:
+    """Whether a recorded setting and this run's agree: equal, or two names of one existing path."""
+    if then == now:
+        return True
+    if not (isinstance(then, str) and isinstance(now, str) and then and now):
+        return False
+    try:
+        return os.path.samefile(then, now)
+    except (OSError, ValueError):  # either names no existing path (a hub id, a number)
+        return False

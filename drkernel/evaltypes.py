@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 
-from drkernel.config import NON_NEGATIVE, POSITIVE, Limit, OneOf
+from drkernel.config import NON_NEGATIVE, POSITIVE, SEED, Limit, OneOf
 
 # `reference_error`: the reference itself failed (import, build, inputs, forward); never the
 # candidate's fault, never a reward signal.
@@ -29,7 +29,10 @@ class EvalConfig:
               "baseline": OneOf(BASELINES), "trials": Limit(1, 1000, why="each trial is a full call of both models"),
               "perf_trials": Limit(1, 100_000), "cpu_perf_trials": Limit(1, 100_000), "warmup": Limit(0, 10_000), "timeout": Limit(0, 7 * 86400, low_open=True, why="seconds, at most a week"), "atol_fp32": POSITIVE, "rtol_fp32": POSITIVE,
               "atol_half": POSITIVE, "rtol_half": POSITIVE, "rel_l2_fp32": POSITIVE, "rel_l2_half": POSITIVE,
-              "loose_tol": POSITIVE, "seed": Limit(0, 2**32 - 1), "max_rss_mb": NON_NEGATIVE,
+              "loose_tol": POSITIVE, "seed": SEED,
+              "max_rss_mb": Limit(2048, zero="the sandbox's default", why="a runner needs about 900 MB on a CPU, more "
+                                  "with a CUDA context, before any candidate code runs; below this the candidate "
+                                  "would be blamed for the runner's own memory"),
               "idle_probe_ms": POSITIVE, "idle_wait_s": NON_NEGATIVE, "max_speedup_recheck": POSITIVE}
 
     device: str = "auto"  # cpu | cuda | cuda:N | auto

@@ -128,7 +128,8 @@ def _static_checks(cand_code: str, cfg: EvalConfig, ref_path: str) -> EvalResult
         return EvalResult(verdict="compile_error", error=f"SyntaxError: {exc.msg} (line {exc.lineno})")
     except (ValueError, TypeError) as exc:
         return EvalResult(verdict="compile_error", error=f"cannot parse candidate: {exc}")
-    if not any(isinstance(n, ast.ClassDef) and n.name == "ModelNew" for n in ast.walk(tree)):
+    if not any(isinstance(n, ast.ClassDef) and n.name == "ModelNew" or isinstance(n, ast.Name) and n.id == "ModelNew"
+               and isinstance(n.ctx, ast.Store) for n in ast.walk(tree)):  # `ModelNew = TritonReLU` too
         return EvalResult(verdict="compile_error", error="no ModelNew defined in the candidate")
     if cfg.require_triton and not jit_kernels(tree):
         return EvalResult(verdict="hacked", compiled=True, hacks=["no_triton_kernel"],
@@ -285,11 +286,11 @@ def evaluate(reference, candidate, cfg: EvalConfig | None = None, reward_config=
 def _source(src: Any) -> tuple[str, str | None]:
     """(source text, why a path could not be read) of a path or of text, read once: a text is never
     taken for a path again (a candidate whose text names a file would be judged as that file).
-    Bytes decode as UTF-8 (U+FFFD for the rest). Any other value (None: a policy that wrote no
-    code) is no source, an empty text that fails the static checks like one, so that one bad item
-    costs its own verdict, not the batch."""
+    Bytes decode as UTF-8 (U+FFFD for the rest), a leading byte-order mark dropped as Python drops
+    it from a file. Any other value (None: a policy that wrote no code) is no source, an empty text
+    that fails the static checks like one, so that one bad item costs its own verdict, not the batch."""
     if isinstance(src, bytes):
-        return src.decode("utf-8", "replace"), None
+        return src.decode("utf-8", "replace").removeprefix("\ufeff"), None
     if not isinstance(src, (str, os.PathLike)):
         return "", None
     try:
@@ -297,7 +298,7 @@ def _source(src: Any) -> tuple[str, str | None]:
     except OSError as exc:
         return "", str(exc)
     # a lone surrogate (JSON can carry one) cannot be written or parsed: U+FFFD, as bad bytes become
-    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace"), None
+    return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace").removeprefix("\ufeff"), None
 
 
 def _pair(item: Any) -> tuple[Any, Any]:
@@ -666,13 +667,10 @@ class _UsageError(Exception):
 @dataclasses.dataclass(frozen=True)
 class _Option:
     """An EvalConfig field as a flag. It is also the flag's argparse `type`: it converts the text to
-    the field's type and refuses numbers outside [low, high] ((low, high] when `above`) or not finite."""
+    the field's type and refuses what the field's rule (`EvalConfig.LIMITS`) refuses."""
 
     name: str
     help: str
-    low: int | None = None
-    above: bool = False
-    high: int | None = None
     aliases: tuple[str, ...] = ()
     metavar: str = ""  # empty: the type's name (INT, FLOAT, STR)
 
@@ -692,40 +690,28 @@ class _Option:
             value = coerce(text, self.field_type(), self.name)
         except ConfigError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not self._in_range(value):
-            raise argparse.ArgumentTypeError(f"must be {self._range(value)}, not {text!r}")
-        rule = EvalConfig.LIMITS.get(self.name)  # the library's own rule too (a baseline's name, an upper end)
+        rule = EvalConfig.LIMITS.get(self.name)
         problem = rule.problem(self.name, value) if rule is not None and not isinstance(value, bool) else None
         if problem:
             raise argparse.ArgumentTypeError(problem)
         return value
 
-    def _in_range(self, value: float) -> bool:
-        above_low = self.low is None or (value > self.low if self.above else value >= self.low)
-        below_high = self.high is None or value <= self.high
-        return float("-inf") < value < float("inf") and above_low and below_high
-
-    def _range(self, value: float) -> str:
-        parts = [f"{'>' if self.above else '>='} {self.low}"] if self.low is not None else []
-        parts += [f"<= {self.high}"] if self.high is not None else []
-        return " and ".join(parts + (["finite"] if isinstance(value, float) else []))
-
 
 _OPTIONS = (
     _Option("device", "auto | cpu | cuda | cuda:N (auto: cuda when a GPU is visible, else cpu)", metavar="DEVICE"),
-    _Option("trials", "correctness trials, each on fresh random inputs", low=1),
+    _Option("trials", "correctness trials, each on fresh random inputs"),
     _Option("perf_trials", "timed calls per program on a GPU, at most (timing stops once the speedup is "
-                           "precise enough)", low=1),
-    _Option("cpu_perf_trials", "timed calls per program on a CPU", low=1),
-    _Option("warmup", "untimed calls before timing (at least one runs)", low=0),
-    _Option("timeout", "seconds for the reference's set-up and timing, and again for the candidate", low=0, above=True),
-    _Option("seed", "seed of the random inputs and weights", low=0, high=2**32 - 1),  # the usual seed range
-    _Option("atol_fp32", "absolute tolerance for fp32 outputs", low=0, above=True, aliases=("--atol",)),
-    _Option("rtol_fp32", "relative tolerance for fp32 outputs", low=0, above=True, aliases=("--rtol",)),
-    _Option("atol_half", "absolute tolerance for fp16 / bf16 outputs", low=0, above=True),
-    _Option("rtol_half", "relative tolerance for fp16 / bf16 outputs", low=0, above=True),
-    _Option("rel_l2_fp32", "largest ||out - ref|| / ||ref|| for fp32 outputs", low=0, above=True),
-    _Option("rel_l2_half", "largest ||out - ref|| / ||ref|| for fp16 / bf16 outputs", low=0, above=True),
+                           "precise enough)"),
+    _Option("cpu_perf_trials", "timed calls per program on a CPU"),
+    _Option("warmup", "untimed calls before timing (at least one runs)"),
+    _Option("timeout", "seconds for the reference's set-up and timing, and again for the candidate"),
+    _Option("seed", "seed of the random inputs and weights"),
+    _Option("atol_fp32", "absolute tolerance for fp32 outputs", aliases=("--atol",)),
+    _Option("rtol_fp32", "relative tolerance for fp32 outputs", aliases=("--rtol",)),
+    _Option("atol_half", "absolute tolerance for fp16 / bf16 outputs"),
+    _Option("rtol_half", "relative tolerance for fp16 / bf16 outputs"),
+    _Option("rel_l2_fp32", "largest ||out - ref|| / ||ref|| for fp32 outputs"),
+    _Option("rel_l2_half", "largest ||out - ref|| / ||ref|| for fp16 / bf16 outputs"),
     _Option("profile", "profile the candidate's kernels (Triton time share; GPU only)"),
     _Option("second_distribution", "also check correctness on signed-normal inputs"),
     _Option("require_triton", "require the candidate to launch a Triton kernel (false only to measure "
@@ -735,7 +721,7 @@ _OPTIONS = (
     _Option("baseline", "what the speedup is measured against: eager (the reference as written) or "
                         "compile (its forward under torch.compile, compiled before any timing)", metavar="eager|compile"),
     _Option("cache_dir", "directory of cached results (empty: no cache)", metavar="DIR"),
-    _Option("max_rss_mb", "memory limit in MB (0: the sandbox default)", low=0),
+    _Option("max_rss_mb", "memory limit in MB (0: the sandbox default)"),
 )
 
 

@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from drkernel.config import COUNT, UP_TO_1, Limit, OneOf
+from drkernel.config import COUNT, SEED, UP_TO_1, Limit, OneOf
 
 BACKENDS = ("hf", "static")
 
@@ -38,7 +38,8 @@ BACKENDS = ("hf", "static")
 class GenerationConfig:
     # the values each setting accepts; every script config that mirrors one checks it (drkernel.config)
     LIMITS = {"max_new_tokens": COUNT, "temperature": Limit(0, why="0 = greedy"), "top_p": UP_TO_1,
-              "top_k": Limit(0, why="0 = no top-k filtering"), "batch_size": COUNT, "backend": OneOf(BACKENDS)}
+              "top_k": Limit(0, why="0 = no top-k filtering"), "batch_size": COUNT, "backend": OneOf(BACKENDS),
+              "seed": SEED}
 
     max_new_tokens: int = 1024
     temperature: float = 1.0
@@ -305,6 +306,16 @@ def _shape_buckets(prompts: list, cfg: GenerationConfig) -> list:
     return list(prompts) + [prompts[0]] * (_pow2(len(prompts)) - len(prompts))
 
 
+def _room(model, prompt_len: int, max_new_tokens: int) -> int:
+    """New tokens the static buffers hold: `max_new_tokens`, but never past the model's context
+    (`max_position_embeddings`), for which the cache and the token buffers are allocated up front
+    (a hundred million new tokens asked would take every gigabyte of the host)."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not isinstance(context, int) or context <= 0:
+        return max_new_tokens
+    return max(1, min(max_new_tokens, context - prompt_len))
+
+
 def _cache_len(total: int, cfg: GenerationConfig) -> int:
     """Cache positions for `total` tokens: a multiple of 256 when compiled (a power of two, 1024
     instead of 768, measured slower on the H200: 11.4k vs 12.8k tokens/s, since decode attention
@@ -347,7 +358,7 @@ def _generate_static(model, tokenizer, prompts, cfg, eos, pad_id) -> list[GenOut
     n_rows = len(prompts)
     ids, mask = left_pad(_shape_buckets(prompts, cfg), pad_id, device)
     bsz, plen = ids.shape
-    n_new = int(cfg.max_new_tokens)
+    n_new = _room(model, plen, int(cfg.max_new_tokens))
     max_cache_len = _cache_len(plen + n_new, cfg)
     cache, static = _kv_cache(model, bsz, max_cache_len, device, next(model.parameters()).dtype)
     decoder = _Decoder(model)

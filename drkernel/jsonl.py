@@ -152,11 +152,11 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[JsonlLine]:
             yield _parse_line(lineno, raw)
 
 
-def first_reasons(reasons: list[str], shown: int = 3) -> str:
-    """The first `shown` reasons a reader skipped lines or rows for, and how many more ("a; b; c;
-    and 2 more"): one stderr line however many there are."""
-    more = f"; and {len(reasons) - shown} more" if len(reasons) > shown else ""
-    return "; ".join(reasons[:shown]) + more
+def first_reasons(reasons: list[str], shown: int = 3, sep: str = "; ") -> str:
+    """The first `shown` reasons a reader skipped lines or rows for (or names), and how many more
+    ("a; b; c; and 2 more"): one stderr line however many there are."""
+    more = f"{sep}and {len(reasons) - shown} more" if len(reasons) > shown else ""
+    return sep.join(reasons[:shown]) + more
 
 
 def read_jsonl(path: str | os.PathLike) -> tuple[list[dict], int]:

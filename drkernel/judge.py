@@ -90,10 +90,10 @@ class Flow:
     """What the data-flow logs of the checked calls said: per call, each launch of the candidate's
     kernels and whether the output needed it; the kernels whose counterfactual call left the
     output right (their work was not needed, whatever the log says), and those whose counterfactual
-    call made it wrong, with that call's kind of inputs (signed)."""
+    call made it wrong."""
     calls: list[list[tuple[str, bool]]] = dataclasses.field(default_factory=list)
     unneeded: set[str] = dataclasses.field(default_factory=set)
-    moved: dict[str, bool] = dataclasses.field(default_factory=dict)
+    moved: set[str] = dataclasses.field(default_factory=set)
 
     def steady(self) -> list[list[tuple[str, bool]]]:
         """The calls after the first where there are any: the first call may autotune (every
@@ -378,11 +378,12 @@ def _write_inputs(r: Reference, inputs: list) -> None:
 
 
 def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = False, keep: bool = False,
-         perturb: tuple[str, ...] = ()) -> Call:
+         perturb: tuple[str, ...] = (), changes: bool = False) -> Call:
     """Fresh inputs into the arena, slots poisoned, L2 flushed; then one call, timed by this clock.
     With `keep`, the committed output is copied the moment the reply arrives (the runner is
     stopped by then; a write that lands later never counts). A call names the kernels whose
-    launches read perturbed data (none but in a counterfactual call)."""
+    launches read perturbed data (none but in a counterfactual call). A checked call on signed
+    inputs, or one asked with `changes`, also says where each launch changed its arguments."""
     start = _perf()
     inputs = gen_inputs(r, seed, signed)
     _write_inputs(r, inputs)
@@ -391,10 +392,11 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
         r.flush.fill_(float(seed % 7))
     _sync(r.device)
     t0 = _perf()
-    # on signed inputs a checked call also says where each launch changed its arguments (`dataflow`)
+    # where each launch changed its arguments (`dataflow`): on uniform [0, 1) inputs many honest
+    # launches change nothing (an in-place ReLU), so only where a call's question needs it
     request = {"op": "call", "mode": mode, "seed": forward_seed(r, seed), "perturb": list(perturb)}
     if mode == "check":
-        request.update(changes=signed)
+        request.update(changes=signed or changes)
     reply = channel.ask(request)
     t1 = _perf()
     if "error" in reply:
@@ -409,13 +411,13 @@ def call(r: Reference, channel: Channel, seed: int, mode: str, signed: bool = Fa
 
 
 def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False, keep: bool = False,
-                   perturb: tuple[str, ...] = ()) -> Call:
+                   perturb: tuple[str, ...] = (), changes: bool = False) -> Call:
     """One call of the candidate, then what it may have left behind: no process of its may outlive
     the call, and the scheduling of the job's processes is as it was."""
     t = _perf()
     before = _scheduling(j)
     try:
-        c = call(j.ref, j.runner, seed, mode, signed, keep, perturb)
+        c = call(j.ref, j.runner, seed, mode, signed, keep, perturb, changes)
     except Stop as stop:
         _findings(j, {"findings": stop.findings})  # what the runner found where the forward failed
         raise
@@ -573,6 +575,10 @@ def setup(r: Reference) -> None:
         ref_out, r.ref_mutates = _first_reference_run(r, warm, r.seed)
     if ref_out is None:  # a forward that returns nothing: no candidate can be judged against it
         raise Stop("reference_error", "the reference's forward returned None")
+    outs = compare.tensors(ref_out)
+    if outs and all(t.numel() == 0 for t in outs):  # no kernel could write one element (a batch size of 0)
+        shapes = ", ".join(str(tuple(t.shape)) for t in outs[:3])
+        raise Stop("reference_error", f"the reference's output is empty ({shapes}): nothing a kernel computes can be checked")
     _plan_arena(r, warm, ref_out)
     r.mark("setup")
 
@@ -901,32 +907,35 @@ def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, deg
             out, ref, j.cfg, loose=True, finite_only=finite_only).ok:
         j.hack("precision_downgrade", f"trial {ti}: fails the fp32 tolerance ({cmp.why}) but passes "
                                       f"{j.cfg.loose_tol:g}: reduced precision inside an fp32 problem")
-    kind = "fails on signed-normal inputs" if signed else f"trial {ti} failed"
+    kind = f"trial {ti} failed on signed-normal inputs" if signed else f"trial {ti} failed"
     raise Stop("incorrect", f"{kind}: {cmp.why}; max abs err {cmp.max_abs}, rel L2 err {cmp.rel_l2}")
 
 
 def check_correctness(j: Judge) -> None:
-    """The trials in order, uniform then signed-normal inputs, with the counterfactual calls at a
-    random place after the first trial (the kernels it launched are those asked about), on the
-    inputs of the trials before them: a candidate that answers differently when it guesses them
-    fails trials as often, and one that does less on one kind of inputs is asked on either."""
+    """The trials, uniform and signed-normal inputs in a random order (having seen a signed input
+    says nothing about which calls are left), with the counterfactual calls at a random place after
+    the first trial (the kernels it launched are those asked about), on the inputs of the trial
+    before them: a candidate that answers differently when it guesses them fails trials as often,
+    and one that does less on one kind of inputs is asked on either."""
     n = j.cfg.trials
     n_signed = (2 if n >= 4 else 1) if j.cfg.second_distribution else 0
     seeds = j.ref.trial_seeds
     plan = [(seeds[i], False) for i in range(n)] + [(seeds[n + i], True) for i in range(n_signed)]
     pick = random.SystemRandom()
+    pick.shuffle(plan)
     counterfactual_at = 1 + pick.randrange(len(plan))
     # The degenerate check (two passes over multi-GB outputs) runs on every signed trial, where
     # trivial answers differ most from the reference, on one uniform trial the candidate cannot
     # predict, and on a failing trial (the last one).
-    checked = set(range(n, n + n_signed)) | {pick.randrange(max(1, n))}
+    uniform = [ti for ti, (_, signed) in enumerate(plan) if not signed]
+    checked = {ti for ti, (_, signed) in enumerate(plan) if signed} | {pick.choice(uniform)}
     for ti, (seed, signed) in enumerate(plan):
         if ti == counterfactual_at:
-            check_needed(j, signed=counterfactual_at > n)
+            check_needed(j, signed=plan[ti - 1][1])
         with _shared(j.ref):
             _trial(j, ti, seed, signed, degenerate=ti in checked)
     if counterfactual_at == len(plan):
-        check_needed(j, signed=counterfactual_at > n)
+        check_needed(j, signed=plan[-1][1])
     j.details["launched_kernels"] = sorted(j.launched)
     j.details["needed_fraction"] = {k: round(v, 3) for k, v in j.flow.fractions().items()}
     j.mark("correctness")
@@ -1243,7 +1252,7 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
         calls.clear()  # no earlier pair's full-size inputs and outputs held beside the next one's
         if probe and i == probe_at:
             _verify_held(j, held)
-            _unwatched_counterfactual(j, *probe, f"the counterfactual among timed calls (before {i})")
+            _unwatched_counterfactual(j, probe, f"the counterfactual among timed calls (before {i})")
             probe = None
         seed = fresh_seed()
         for side in (("ref", "cand") if i % 2 == 0 else ("cand", "ref")):
@@ -1261,51 +1270,49 @@ def _timed_pairs(j: Judge) -> tuple[list[float], list[float], list[float], list[
     _verify_held(j, held)
     calls.clear()
     if probe:
-        _unwatched_counterfactual(j, *probe, "the counterfactual after the timed calls")
+        _unwatched_counterfactual(j, probe, "the counterfactual after the timed calls")
     return ref_ms, ref_walls, events, walls
 
 
-def _unwatched_probe(j: Judge) -> tuple[str, bool] | None:
-    """A kernel whose checked counterfactual call made the output wrong, drawn at random, and that
-    call's kind of inputs; None where there is none."""
-    if not j.flow.moved:
-        return None
-    name = random.SystemRandom().choice(sorted(j.flow.moved))
-    return name, j.flow.moved[name]
+def _unwatched_probe(j: Judge) -> str | None:
+    """A kernel whose checked counterfactual call made the output wrong, drawn at random; None
+    where there is none."""
+    return random.SystemRandom().choice(sorted(j.flow.moved)) if j.flow.moved else None
 
 
-def _unwatched_counterfactual(j: Judge, kernel: str, signed: bool, label: str) -> None:
-    """A pair like the timed ones (twin, then runner, on the same fresh inputs; neither time
+def _unwatched_counterfactual(j: Judge, kernel: str, label: str) -> None:
+    """A pair like the timed ones (twin, then runner, on the same fresh uniform inputs; neither time
     counts) in which `kernel`'s launches read perturbed data, as they did in a checked call whose
     output went wrong. Nothing tells this call from the timed ones before its launches: an output
     still right here, where the kernel ran, comes from work done elsewhere in the calls the
     candidate guessed nobody checks (the data-flow log's cost, a call count, a core: any sign)."""
     seed = fresh_seed()
-    ref = call(j.ref, j.ref.twin, seed, "time", signed=signed, keep=True).output
+    ref = call(j.ref, j.ref.twin, seed, "time", keep=True).output
     try:
-        c = call_candidate(j, seed, "time", signed=signed, keep=True, perturb=(kernel,))
+        c = call_candidate(j, seed, "time", keep=True, perturb=(kernel,))
     except Stop:
         return  # perturbed data may make an honest kernel fail
     _check_left_idle(j, label)
     ran = kernel in _own_kernels(j, c.reply.get("kernels"))
-    right = ran and _right(j, c.output, ref, signed)
+    right = ran and _right(j, c.output, ref, signed=False)
     c = None  # its inputs and output go before the checked call's come
-    if right and not _watched_agrees(j, kernel, seed, signed, ref):
+    if right and not _watched_agrees(j, kernel, seed, ref):
         j.hack("decoy_kernel", f"{label}: the output stayed right when what {kernel} read was perturbed, and a "
                                "checked call on the same inputs and perturbation did not: outside the checked calls "
                                "its work does not reach the output")
 
 
-def _watched_agrees(j: Judge, kernel: str, seed: int, signed: bool, ref: Any) -> bool:
+def _watched_agrees(j: Judge, kernel: str, seed: int, ref: Any) -> bool:
     """Whether a checked call on the same inputs, `kernel`'s reads perturbed alike, is right too,
-    with the output made by the candidate's launches: an honest kernel whose perturbation this draw
-    does not show (an argmax of a few elements, a short label tensor rolled onto itself) answers
-    alike in both; one that works only when watched does not."""
+    with the output made by what the candidate's launches changed: an honest kernel whose
+    perturbation this draw does not show (an argmax of a few elements, a short label tensor rolled
+    onto itself) answers alike in both; one that works only when watched does not, nor one whose
+    launch changes nothing while torch answers (it reads its own flag, set after the checked trials)."""
     try:
-        c = call_candidate(j, seed, "check", signed=signed, keep=True, perturb=(kernel,))
+        c = call_candidate(j, seed, "check", keep=True, perturb=(kernel,), changes=True)
     except Stop:
         return False
-    if not _right(j, c.output, ref, signed):
+    if not _right(j, c.output, ref, signed=False):
         return False
     return any(needed for _, needed in _launch_needs(j, "a counterfactual call", c.reply.get("flow"))[2])
 
@@ -1556,7 +1563,7 @@ def check_needed(j: Judge, signed: bool) -> None:
                                        "over a non-empty grid and was right")
         if right is None or (name in launched and not right):
             needed = True
-            j.flow.moved[name] = signed  # failing on perturbed data is asked again unwatched
+            j.flow.moved.add(name)  # failing on perturbed data is asked again unwatched
         elif name in launched:
             j.flow.unneeded.add(name)
         right_once |= bool(right)

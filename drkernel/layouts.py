@@ -106,14 +106,15 @@ class Scan:
                  name: str | None = None) -> None:
         """The candidate in `path`, or a skipped entry when it cannot be read as UTF-8 text."""
         if sample >= MAX_SAMPLES:
-            self.skip(path, f"sample {sample} is not below {MAX_SAMPLES}", attempt_name(level, problem_id, 0, 0, name))
+            self.skip(path, f"the sample must be below {MAX_SAMPLES}, not {sample}",
+                      attempt_name(level, problem_id, sample, 0, name))
             return
         if not path.is_file():  # reading a FIFO or /dev/zero would never end
             self.skip(path, "not a regular file (a link to nothing, a FIFO, a device or a directory)",
                       attempt_name(level, problem_id, sample, 0, name))
             return
         try:
-            code = path.read_bytes().decode("utf-8")
+            code = path.read_bytes().decode("utf-8-sig")  # a byte-order mark, as Python reads a file
         except UnicodeDecodeError as exc:
             reason = f"not UTF-8 text (byte {exc.start + 1}): not a Python source file"
         except OSError as exc:
@@ -235,7 +236,9 @@ def _generation(row: dict, where: str) -> Candidate:
     """The candidate of one generations row (ValueError: why the row is unusable)."""
     level, pid = _count_field(row, "level", True), _count_field(row, "problem_id", True)
     sample, turn = _count_field(row, "sample", False, MAX_SAMPLES), _count_field(row, "turn", False, MAX_TURNS)
-    code = row.get("code")
+    if "code" not in row:  # generate.py writes it on every row, null where the response held none
+        raise ValueError("no `code` field: not a row of generations (evaluate.py's own results.jsonl?)")
+    code = row["code"]
     if code is not None and not isinstance(code, str):
         raise ValueError(f"`code` must be a string or null, not {json.dumps(code)[:40]}")
     failed = row.get("generation_error")

@@ -101,14 +101,19 @@ def _open_files(pid: int) -> list[str]:
 
 def _mapped_unnamed_files(pid: int) -> list[str]:
     """/proc/<pid>/map_files paths of the mappings whose file has no name left (memfds read as
-    deleted too)."""
+    deleted too), one per file (device and inode, as the maps line gives them): tens of thousands
+    of mappings of one file would otherwise cost the supervisor a stat each, every poll."""
     try:
         with open(f"/proc/{pid}/maps", "rb") as fh:
             lines = fh.read().splitlines()
     except OSError:
         return []
-    return [f"/proc/{pid}/map_files/{line.split(None, 1)[0].decode()}" for line in lines
-            if line.endswith(b" (deleted)")]
+    first: dict[tuple[bytes, bytes], bytes] = {}
+    for line in lines:
+        if line.endswith(b" (deleted)"):
+            fields = line.split(None, 5)
+            first.setdefault((fields[3], fields[4]), fields[0])
+    return [f"/proc/{pid}/map_files/{address.decode()}" for address in first.values()]
 
 
 def live_tasks(pid: int) -> list[Stat]:

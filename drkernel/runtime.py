@@ -5,7 +5,8 @@ and leave the same things behind in `output_dir`:
 
     metrics.jsonl                 one JSON object per optimiser step (rank 0 writes it; a resumed
                                   run first drops the lines a kill left unreadable, e.g. a cut last
-                                  line, keeping the old file as metrics.<time>.jsonl.bak)
+                                  line, and the rows of steps after its checkpoint, keeping the old
+                                  file as metrics.<time>.jsonl.bak)
     logs/                         the Accelerate trackers' files (TensorBoard by default)
     checkpoint-<step>/            accelerator.save_state (model, optimizer, scheduler, RNG of every
                                   rank) + trainer_state.json (step, data position, the state
@@ -40,9 +41,9 @@ import zipfile
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
-from drkernel.config import (BELOW_1, COUNT, NON_NEGATIVE, POSITIVE, ConfigError, Limit, ModelSelection, Names,
-                             changed_settings, comma_items, error_line, limit_problems, load_config,
-                             output_problem, shown_path)
+from drkernel.config import (BELOW_1, COUNT, NON_NEGATIVE, POSITIVE, SEED, ConfigError, Limit, ModelSelection, Names,
+                             changed_settings, comma_items, create_output, error_line, limit_problems,
+                             load_config, output_problem, shown_path)
 from drkernel.jsonl import first_reasons, iter_jsonl, json_safe, rewrite_keeping_backup
 
 T = TypeVar("T")
@@ -89,7 +90,7 @@ class RunConfig(ModelSelection):
         "adam_beta2": BELOW_1, "warmup_steps": NON_NEGATIVE, "max_grad_norm": Limit(0, why="0 = no clipping"),
         "gradient_accumulation_steps": COUNT, "gradient_checkpointing_every": COUNT,
         "lora_r": Limit(0, why="0 = no LoRA"), "lora_alpha": POSITIVE, "lora_dropout": BELOW_1,
-        "seed": NON_NEGATIVE, "save_steps": Limit(0, why="0 = only at the end"),
+        "seed": SEED, "save_steps": Limit(0, why="0 = only at the end"),
         "save_total_limit": Limit(0, why="0 = keep all"),
         "lr_scheduler": Names(lr_schedulers), "mixed_precision": Names(precisions),
         "log_with": Names(trackers, comma_list=True),
@@ -199,12 +200,12 @@ class MetricsLogger:
     Non-finite floats become null in the JSONL (strict JSON), and only numbers go to trackers.
     """
 
-    def __init__(self, accelerator, output_dir: str | os.PathLike):
+    def __init__(self, accelerator, output_dir: str | os.PathLike, resumed_step: int = 0):
         self.acc = accelerator
         self.path = Path(output_dir) / "metrics.jsonl"
         if self.acc.is_main_process:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            drop_unreadable_lines(self.path)  # else the next row is glued to a cut last line and lost
+            keep_rows_up_to(self.path, resumed_step)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         row = {"step": int(step)}
@@ -222,17 +223,27 @@ class MetricsLogger:
         self.acc.end_training()
 
 
-def drop_unreadable_lines(path: Path) -> None:
-    """Rewrite the JSONL file `path` without its lines that hold no JSON object (a run killed
-    mid-write leaves its last line cut), said in one line on stderr; the old file is copied aside
-    first, as `<stem>.<time>.jsonl.bak`, and the new one replaces it atomically."""
-    lines = list(iter_jsonl(path))
-    bad = [f"line {line.lineno}: {line.error}" for line in lines if line.row is None]
-    if not bad:
+def keep_rows_up_to(path: Path, step: int) -> None:
+    """Rewrite the JSONL file `path` keeping the rows of steps up to `step`, the one a run resumes
+    from (0: it starts anew, as `--resume_from auto` does with no complete checkpoint). Dropped:
+    lines that hold no JSON object (a run killed mid-write leaves its last line cut, and the next
+    row would be glued to it) and rows of steps after `step` (the killed run logged them; this run
+    logs them again). Said in one line on stderr; the old file is copied aside first, as
+    `<stem>.<time>.jsonl.bak`, and the new one replaces it atomically."""
+    kept, dropped = [], []
+    for line in iter_jsonl(path):
+        logged = line.row.get("step") if line.row is not None else None
+        if line.row is None:
+            dropped.append(f"line {line.lineno}: {line.error}")
+        elif isinstance(logged, int) and not isinstance(logged, bool) and logged > step:
+            dropped.append(f"line {line.lineno}: step {logged}, after step {step} this run starts from")
+        else:
+            kept.append(line.row)
+    if not dropped:
         return
-    backup = rewrite_keeping_backup(path, [line.row for line in lines if line.row is not None])
-    say(f"[drkernel] {shown_path(path)}: dropped {len(bad)} unreadable line(s) (the old file is kept as "
-        f"{backup.name}): {first_reasons(bad)}")
+    backup = rewrite_keeping_backup(path, kept)
+    say(f"[drkernel] {shown_path(path)}: dropped {len(dropped)} line(s) (the old file is kept as "
+        f"{backup.name}): {first_reasons(dropped)}")
 
 
 def _numbered(output_dir: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -288,6 +299,9 @@ def save_checkpoint(accelerator, model, tokenizer, cfg: RunConfig, step: int,
                     state: dict[str, Any]) -> Path:
     """Everything needed to continue exactly: Accelerate state (+ RNG) and our trainer state."""
     path = Path(cfg.output_dir) / f"checkpoint-{step}"
+    if accelerator.is_main_process and path.exists():  # an earlier, cut-off save of this step: none of it may mix in
+        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    accelerator.wait_for_everyone()
     accelerator.save_state(str(path))
     save_model(accelerator, model, tokenizer, path / "model")
     if accelerator.is_main_process:
@@ -406,12 +420,17 @@ def check_resume(cfg: Any) -> list[str]:
 
 def _check_fresh(output_dir: str) -> None:
     """A ConfigError when a new run's `output_dir` holds a previous run (`previous_run`): the two would
-    share one metrics.jsonl, and a later `--resume_from auto` could pick the old run's newest checkpoint."""
+    share one metrics.jsonl, and a later `--resume_from auto` could pick the old run's newest checkpoint;
+    or anything else (another script's results and report, which this run's report would replace)."""
     found = previous_run(output_dir)
     if found:
-        shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-        raise ConfigError(f"{shown_path(output_dir)} holds a previous run ({shown}); pass --resume_from auto to "
-                          f"continue it, or another --output_dir")
+        raise ConfigError(f"{shown_path(output_dir)} holds a previous run ({first_reasons(found, sep=', ')}); pass "
+                          f"--resume_from auto to continue it, or another --output_dir")
+    out = Path(output_dir)
+    others = sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) if out.is_dir() else []
+    if others:
+        raise ConfigError(f"{shown_path(output_dir)} holds files of something else ({first_reasons(others, sep=', ')}); "
+                          f"a run writes its checkpoints, metrics and report there: give it a new or empty --output_dir")
 
 
 def _passed_over(cfg: Any, path: Path | None) -> list[str]:
@@ -429,9 +448,14 @@ def _passed_over(cfg: Any, path: Path | None) -> list[str]:
             for n, p in _numbered(cfg.output_dir) if n > newest]
 
 
+def first_process() -> bool:
+    """Whether this is the first process of `accelerate launch` (or the only one)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def say(line: str) -> None:
-    """A line on stderr, once per launch (from the first process of `accelerate launch`)."""
-    if os.environ.get("RANK", "0") == "0":
+    """A line on stderr, once per launch (from the first process)."""
+    if first_process():
         print(line, file=sys.stderr, flush=True)
 
 
@@ -442,4 +466,7 @@ def start_run(cls: type[T], argv: Sequence[str] | None, preset: str | os.PathLik
     say(run.start_line(prog))
     for warning in check_resume(run.cfg):
         say(f"{prog}: warning: {warning}")
+    # the launch's other processes share the first one's directory: it alone holds the lock
+    if first_process() and (problem := create_output("--output_dir", run.cfg.output_dir, is_dir=True)):
+        raise ConfigError(problem)
     return run.cfg

@@ -237,21 +237,6 @@ class RowPlan:
         return order[k * self.per_step:(k + 1) * self.per_step][rank * self.per_rank:(rank + 1) * self.per_rank]
 
 
-def _trim_metrics(output_dir: str, last_step: int) -> None:
-    """On resume, forget metrics rows of steps after the checkpoint (they will be redone)."""
-    path = Path(output_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            if int(json.loads(line).get("step", 0)) <= last_step:
-                keep.append(line)
-        except (json.JSONDecodeError, TypeError, ValueError, AttributeError):
-            continue
-    path.write_text("".join(k + "\n" for k in keep))
-
-
 def _line_problem(line: JsonlLine) -> str | None:
     """Why a line of a JSONL dataset holds no conversation (cut by a killed writer, not a JSON
     object, or without valid `messages`), or None when it holds one."""
@@ -357,7 +342,6 @@ def _resume(cfg: SFTConfig, acc, plan: RowPlan) -> int:
         print(f"[sft] warning: the data changed since {resume} ({state.get('rows')} rows then, "
               f"{plan.rows} now): the data position is approximate", file=sys.stderr)
     if acc.is_main_process:
-        _trim_metrics(cfg.output_dir, start)
         print(f"[sft] resumed from {resume} at step {start}")
     return start
 
@@ -389,7 +373,7 @@ def train(cfg: SFTConfig) -> dict:
         print(_data_line(cfg, dstats, plan))
     model, optimizer, scheduler = _prepare_model(cfg, acc, plan.total)
     start = _resume(cfg, acc, plan)
-    logger = rt.MetricsLogger(acc, cfg.output_dir)
+    logger = rt.MetricsLogger(acc, cfg.output_dir, start)
     if acc.is_main_process:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(cfg.output_dir) / "sft_config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=1))

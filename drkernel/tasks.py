@@ -81,6 +81,8 @@ class Task:
 
 def validate_code(code: str, where: str = "task") -> None:
     """Check that the source parses and defines Model, get_inputs and get_init_inputs."""
+    if not isinstance(code, str):
+        raise TaskError(f"{where}: its code is a {type(code).__name__}, not text")
     try:
         tree = ast.parse(code)
     except SyntaxError as exc:
@@ -110,7 +112,7 @@ def load_task_file(path: str | os.PathLike, level: int = 0, problem_id: int | No
     if not path.is_file():
         raise TaskError(f"{path}: no such task file")
     try:
-        code = path.read_text(encoding="utf-8")
+        code = path.read_text(encoding="utf-8-sig")  # a byte-order mark, as Python reads a file
     except UnicodeDecodeError as exc:
         raise TaskError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     validate_code(code, str(path))

@@ -109,8 +109,8 @@ class Trainer:
         self.generator = generator
         self._warn_if_prs_rejects_every_correct_turn()
         self.step = 0
-        self.logger = MetricsLogger(self.acc, cfg.output_dir)
         self._resume()
+        self.logger = MetricsLogger(self.acc, cfg.output_dir, self.step)
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> list[dict]:

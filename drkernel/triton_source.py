@@ -87,7 +87,7 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     python = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
               and n.name not in kernels and not _triton_decorated(n, tl_names)}
     python |= {name for name, values in bindings.items() if any(not isinstance(v, ast.alias) for v in values)
-               and not all(_triton_attribute(v, tl_names) for v in values)}
+               and not all(_triton_binding(name, v, tl_names) for v in values)}
     python = (python - kernels - {"*"}) | {"torch"}
     constants = _constants(tree, bindings, tl_names)
     every_def = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -133,6 +133,15 @@ def _triton_attribute(v: ast.AST | None, tl_names: set[str]) -> bool:
     """`_sigmoid = tl.sigmoid`: a name for one of Triton's own (what it holds at a launch is checked
     there, `launch_guard`)."""
     return isinstance(v, ast.Attribute) and isinstance(v.ctx, ast.Load) and dotted(v).split(".")[0] in tl_names
+
+
+def _triton_binding(name: str, v: ast.AST | None, tl_names: set[str]) -> bool:
+    """One binding of `name` gives it one of Triton's own: an attribute of Triton's, another name
+    for a Triton module (`tmath = tl`), or an import from Triton (`import triton.language.math as
+    tmath` in a `try`, `tmath = tl` in its `except`)."""
+    if isinstance(v, ast.alias):
+        return name in tl_names
+    return (isinstance(v, ast.Name) and v.id in tl_names) or _triton_attribute(v, tl_names)
 
 
 def _call_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, outside: set[str]) -> list[str]:
@@ -227,11 +236,7 @@ def _module_scope(tree: ast.AST) -> list[ast.AST]:
 def _bound_by(node: ast.AST) -> list[tuple[str, ast.AST | None]]:
     if isinstance(node, (ast.Assign, ast.AnnAssign)):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        plain = [(t.id, node.value) for t in targets if isinstance(t, ast.Name)]
-        # an attribute set (`math.pi = ...`) binds its root to the target (no constant, but still the
-        # module its import named); a tuple unpacked or an item set: the names it holds are no constants
-        return plain + [(n, t if isinstance(t, ast.Attribute) else None) for t in targets
-                        if not isinstance(t, ast.Name) for n in _names(t)]
+        return [pair for t in targets for pair in _assigned(t, node.value)]
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         return [("*" if a.name == "*" else a.asname or a.name.split(".")[0], a) for a in node.names]
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -241,6 +246,20 @@ def _bound_by(node: ast.AST) -> list[tuple[str, ast.AST | None]]:
     if isinstance(node, ast.MatchAs | ast.MatchStar) and node.name:
         return [(node.name, None)]
     return []
+
+
+def _assigned(target: ast.AST, value: ast.AST | None) -> list[tuple[str, ast.AST | None]]:
+    """(name, value) for each name `target = value` binds: a tuple of names unpacking a tuple of as
+    many values pairs them (`BM, BN = 64, 32`); an attribute set (`math.pi = ...`) binds its root to
+    the target (no constant, but still the module its import named); any other unpacking or an
+    item set: the names it holds are no constants."""
+    if isinstance(target, ast.Name):
+        return [(target.id, value)]
+    elts = getattr(target, "elts", None)
+    if (elts is not None and isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(elts)
+            and not any(isinstance(e, ast.Starred) for e in (*elts, *value.elts))):
+        return [pair for t, v in zip(elts, value.elts) for pair in _assigned(t, v)]
+    return [(n, target if isinstance(target, ast.Attribute) else None) for n in _names(target)]
 
 
 def _numeric_modules(bindings: dict[str, list[ast.AST | None]]) -> frozenset[str]:
@@ -270,7 +289,8 @@ def _imported_only(values: list[ast.AST | None], module: str) -> bool:
 
 def _constant(v: ast.AST | None, scope: _Scope) -> bool:
     """A literal, arithmetic over constants (names found constant, `math`'s or numpy's constants and
-    functions, Triton's `next_power_of_2`/`cdiv`, `float("inf")`, `max(16, N)`, a dtype's limits), `constexpr(...)` of one, or an attribute of Triton's
+    functions, `torch.pi`, Triton's `next_power_of_2`/`cdiv`, `float("inf")`, `max(16, N)`, a dtype's
+    limits), `constexpr(...)` of one, or an attribute of Triton's
     (`tl.float32`). What it evaluates to is checked again at each launch (`launch_guard`): a plain
     number or Triton's own."""
     if isinstance(v, ast.Constant):
@@ -300,24 +320,28 @@ def _constant(v: ast.AST | None, scope: _Scope) -> bool:
     if isinstance(v, ast.Attribute):
         root = dotted(v).split(".")[0]
         return (root in scope.tl_names or (root in scope.numeric_modules and isinstance(v.value, ast.Name))
+                or (root in scope.torch_names and v.attr in _TORCH_NUMBERS and isinstance(v.value, ast.Name))
                 or _dtype_limit(v, scope))
     return False
 
 
 _NUMERIC_BUILTINS = frozenset({"float", "int", "abs", "max", "min", "round"})  # numbers of numbers
 _TRITON_ARITHMETIC = frozenset({"next_power_of_2", "cdiv"})  # `triton.next_power_of_2(300)`: a plain int
+_TORCH_NUMBERS = frozenset({"pi", "e", "inf", "nan"})  # `torch.pi`: plain floats
 _DTYPE_LIMITS = {"finfo": {"min", "max", "eps", "tiny", "smallest_normal", "resolution", "bits"},
                  "iinfo": {"min", "max", "bits"}}
 
 
 def _dtype_limit(v: ast.Attribute, scope: _Scope) -> bool:
-    """`torch.finfo(torch.float32).min` and the like: a number of one of torch's dtypes."""
+    """`torch.finfo(torch.float32).min`, `np.finfo(np.float32).min` and the like: a number of one of
+    torch's or numpy's dtypes."""
     call = v.value
     if not (isinstance(call, ast.Call) and len(call.args) == 1 and not call.keywords):
         return False
     fn, dtype = dotted(call.func).split("."), dotted(call.args[0]).split(".")
-    return (len(fn) == 2 and fn[0] in scope.torch_names and v.attr in _DTYPE_LIMITS.get(fn[1], ())
-            and len(dtype) == 2 and dtype[0] in scope.torch_names)
+    modules = scope.torch_names | scope.numeric_modules
+    return (len(fn) == 2 and fn[0] in modules and v.attr in _DTYPE_LIMITS.get(fn[1], ())
+            and len(dtype) == 2 and dtype[0] == fn[0])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -242,3 +242,20 @@ def test_candidates_with_a_negative_size_or_an_unknown_device_is_one_line(args, 
 def test_eval_throughput_with_bad_counts_is_one_line(args, says, tmp_path, monkeypatch, capsys):
     assert_refused_at_once("eval_throughput", [*args, "--device", "cpu", "--shrink", "--json",
                                                str(tmp_path / "t.json")], says, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("rollout.py", ["--device", "cpu", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
+    ("rollout.py", ["--device", "cpu", "--batch", "-1"], "argument --batch: must be at least 1, not -1"),
+    ("evaluator.py", ["--device", "cpu", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
+    ("sft.py", ["--tiny", "--steps", "0"], "argument --steps: must be at least 1, not 0"),
+    ("update.py", ["--tiny", "--batch", "x"], "argument --batch: not a whole number: 'x'"),
+])
+def test_counts_and_dtypes_a_bench_cannot_use_are_usage_errors(script, args, says, tmp_path):
+    """A batch of -1 or 0 repeats was a traceback, or a JSON of NaN rates written with exit 0."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--out", str(tmp_path / "o.json")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and says in proc.stderr.strip().splitlines()[-1], proc.stderr
+    assert not (tmp_path / "o.json").exists()

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from drkernel.config import (ConfigError, TaskSelection, coerce, compose, create_output, disagreements, limit_problems,
-                             limits, output_problem, parse_config, shared_settings)
+from drkernel.config import (ConfigError, TaskSelection, cache_dir_problem, coerce, compose, create_output, disagreements, limit_problems,
+                             limits, load_yaml, output_problem, parse_config, shared_settings)
 from drkernel.evaluator import EvalConfig
 from drkernel.rollout import RolloutConfig
 from drkernel.runtime import start_run
@@ -260,3 +260,73 @@ def test_an_output_that_is_a_link_to_nothing_is_refused(tmp_path):
     link = tmp_path / "results.jsonl"
     link.symlink_to(tmp_path / "gone" / "results.jsonl")
     assert "is a link to nothing" in output_problem("--output", str(link))
+
+
+def test_a_path_the_system_refuses_to_look_at_is_one_line(tmp_path):
+    """A name over 255 bytes makes even a stat raise: what the system says, naming the option."""
+    long = str(tmp_path / ("a" * 300))
+    assert output_problem("--output_dir", long, is_dir=True) == f"--output_dir {long}: File name too long"
+    assert cache_dir_problem("--cache_dir", long) == f"--cache_dir {long}: File name too long"
+    with pytest.raises(ConfigError, match="seed must be in \\[0, 4.29497e\\+09\\]"):
+        start_run(TrainConfig, ["--config", "none", "--output_dir", str(tmp_path / "r"), "--seed", str(2**32)],
+                  None, "train.py")
+
+
+def test_a_key_given_twice_in_a_config_file_is_refused_at_any_depth(tmp_path):
+    # YAML keeps the last of two values silently: one of the user's two settings would be dropped
+    path = tmp_path / "run.yaml"
+    for text, key, line in (("lr: 1\nseed: 2\nlr: 3\n", "lr", 3), ("x: [{c: 1, c: 2}]\n", "c", 1)):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=f"^--config {path}: '{key}' is given twice \\(line {line}\\)"):
+            load_yaml(str(path))
+    path.write_text("a: &x [*x]\nb: {c: 1}\nd: {c: 2}\n")  # an alias into itself; one key in two mappings
+    assert load_yaml(str(path))["b"] == {"c": 1}
+
+
+HOLDER = ("import sys, time\nfrom drkernel.config import create_output\n"
+          "print(create_output('--output', sys.argv[1], is_dir=sys.argv[2] == 'dir'), flush=True)\ntime.sleep(120)\n")
+
+
+@pytest.mark.parametrize("kind", ("file", "dir"))
+def test_a_second_run_writing_the_same_output_is_refused_while_the_first_runs(tmp_path, kind):
+    """Two runs on one output would interleave their rows: the second is refused until the first
+    ends, however it ends (the lock is the kernel's); one process may create its output twice."""
+    import subprocess
+
+    path = str(tmp_path / ("out.jsonl" if kind == "file" else "out"))
+    root = Path(__file__).resolve().parents[1]
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, path, kind], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "None"
+        assert "another run is writing there now" in create_output("--output", path, is_dir=kind == "dir")
+    finally:
+        first.kill()
+        first.wait()
+    assert create_output("--output", path, is_dir=kind == "dir") is None
+    assert create_output("--output", path, is_dir=kind == "dir") is None
+
+
+def test_a_training_stage_holds_its_output_dir(tmp_path):
+    import subprocess
+
+    run = str(tmp_path / "run")
+    root = Path(__file__).resolve().parents[1]
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, run, "dir"], cwd=root, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "None"
+        with pytest.raises(ConfigError, match="another run is writing there now"):
+            start_run(TrainConfig, ["--config", "none", "--output_dir", run], None, "train.py")
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_two_spellings_of_one_model_folder_are_the_same_setting_on_resume(tmp_path, monkeypatch):
+    from drkernel.config import changed_settings
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = TrainConfig(model=str(tmp_path / "tiny") + "/")
+    assert changed_settings({"model": "tiny"}, cfg) == []
+    assert [c.key for c in changed_settings({"model": "other"}, cfg)] == ["model"]
+    assert [c.key for c in changed_settings({"model": "hub/model"}, cfg)] == ["model"]

@@ -241,7 +241,19 @@ def test_a_row_or_file_naming_a_huge_sample_or_turn_is_skipped_not_counted(tmp_p
     (cands / "level_0_problem_1_sample_123456789.py").write_text("class ModelNew: pass\n")
     s = evaluate.main(["--candidates", str(cands), "--problem_ids", "1", "--output_dir", str(tmp_path / "flat"),
                        "--device", "cpu"])
-    assert any("not below 10000" in why for why in _skipped(s).values()), _skipped(s)
+    big = cands / "level_0_problem_1_sample_123456789.py"
+    assert _skipped(s)[(str(big), "level 0 problem 1 sample 123456789 turn 0")] == (
+        "the sample must be below 10000, not 123456789")
+
+
+def test_rows_without_a_code_field_are_skipped_and_named_not_counted_as_format_errors(tmp_path, fake):
+    """evaluate.py's own results.jsonl given as --candidates: its rows hold no `code`, which a
+    generations row always has (null where the response held none)."""
+    gen = _write_jsonl(tmp_path / "gen.jsonl", [_gen(1), {k: v for k, v in _gen(1, sample=1).items() if k != "code"}])
+    s = evaluate.main(["--candidates", str(gen), "--problem_ids", "1", "--output_dir", str(tmp_path / "eval"),
+                       "--device", "cpu"])
+    assert "no `code` field" in _skipped(s)[(f"{gen}:2", "level 0 problem 1 sample 1 turn 0")]
+    assert len(fake["ev"].evaluated) == 1 and "format_error" not in s["verdict_counts"]
 
 
 def test_a_sample_that_is_no_regular_file_is_named_in_a_runs_folder(tmp_path, fake):
@@ -436,9 +448,11 @@ def test_resume_reevaluates_results_of_other_settings(tmp_path, fake, capsys, fl
     (["--perf_trials", "0"], "perf_trials must be in [1, 100000], got 0"),  # EvalConfig's limit, not another
     (["--perf_trials", "200000"], "perf_trials must be in [1, 100000], got 200000"),
     (["--candidates", "no/such/dir"], "no/such/dir: no such file or directory"),
+    (["--candidates", "/dev/null"], "/dev/null: not a regular file or a folder"),
     (["--denominator", "some"], "--denominator must be one of"),
     (["--no_such_option", "1"], "unknown option(s) --no_such_option"),
-], ids=["device", "timeout", "trials", "perf_trials_0", "perf_trials_huge", "candidates", "denominator", "unknown"])
+], ids=["device", "timeout", "trials", "perf_trials_0", "perf_trials_huge", "candidates", "candidates_device",
+        "denominator", "unknown"])
 def test_usage_errors_exit_2_with_one_line(tmp_path, fake, capsys, flags, message):
     with pytest.raises(SystemExit) as exc:
         evaluate.main(["--output_dir", str(tmp_path / "eval")] + flags)
@@ -476,6 +490,39 @@ def test_an_output_file_of_the_wrong_kind_stops_the_run_before_any_work(tmp_path
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and err[-1] == f"evaluate.py: error: --output_dir {out / name}: is a directory, not a file"
     assert fake["ev"].calls == [] and [p.name for p in out.iterdir()] == [name]
+
+
+def test_an_output_dir_holding_a_training_run_is_refused(tmp_path, fake, capsys):
+    """evaluate.py's report.md would replace the training run's own."""
+    out = tmp_path / "rl"
+    (out / "checkpoint-3").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 3}\n')
+    with pytest.raises(SystemExit) as exc:
+        evaluate.main(["--output_dir", str(out), "--problem_ids", "1", "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1] == (f"evaluate.py: error: --output_dir {out}: holds a training run "
+                                               f"(checkpoint-3, metrics.jsonl), whose report this one would replace; "
+                                               f"give evaluate.py another --output_dir")
+    assert fake["ev"].calls == [] and sorted(p.name for p in out.iterdir()) == ["checkpoint-3", "metrics.jsonl"]
+
+
+def test_a_second_evaluate_py_on_one_output_dir_is_refused_while_the_first_runs(tmp_path, fake, capsys):
+    """Two runs would interleave their rows in one results.jsonl: the second stops before any work."""
+    out = tmp_path / "eval"
+    holder = ("import sys, time\nfrom drkernel.config import create_output\n"
+              "print(create_output('--output_dir', sys.argv[1], is_dir=True), flush=True)\ntime.sleep(120)\n")
+    first = subprocess.Popen([sys.executable, "-c", holder, str(out)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "None"
+        with pytest.raises(SystemExit) as exc:
+            evaluate.main(["--output_dir", str(out), "--problem_ids", "1", "--device", "cpu"])
+    finally:
+        first.kill()
+        first.wait()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1] == (f"evaluate.py: error: --output_dir {out}: another run is writing "
+                                               f"there now; wait for it to end, or choose another")
+    assert fake["ev"].calls == [] and list(out.iterdir()) == []
 
 
 @pytest.mark.parametrize("kind", ["file", "dangling symlink"])

@@ -504,10 +504,13 @@ def test_references_that_exit_or_return_none_are_reference_errors():
     # whatever its get_inputs or forward raises, SystemExit and KeyboardInterrupt included
     inputs_exit = code.replace("def get_inputs():", "def get_inputs():\n    raise SystemExit(0)")
     forward_interrupt = code.replace("return torch.relu(x)", "raise KeyboardInterrupt")
-    assert inputs_exit != code and forward_interrupt != code
-    for ref in (exits, ends_process, none, inputs_exit, forward_interrupt):
+    # a batch of 0: the honest kernel launched over an empty grid was `no_triton_kernel`
+    empty = code.replace("batch_size = 16", "batch_size = 0")
+    assert inputs_exit != code and forward_interrupt != code and empty != code
+    for ref in (exits, ends_process, none, inputs_exit, forward_interrupt, empty):
         r = shared_evaluate_many([(ref, LEGIT_RELU)], cfg())[0]
         assert r.verdict == "reference_error", (r.verdict, r.error)
+    assert "output is empty ((0, 256))" in r.error
 
 
 def test_a_closed_evaluator_refuses_work_instead_of_reporting_crashes():

@@ -51,12 +51,12 @@ def last_json(out: str) -> dict:
 def test_underscore_and_dashed_spellings_reach_the_config(fake, capsys, tmp_path):
     cache = str(tmp_path / "cache")
     code = evaluator.main([*FILES, "--device", "cpu", "--perf_trials", "7", "--cpu-perf-trials", "2",
-                           "--warmup", "0", "--max_rss_mb", "512", "--atol", "0.5", "--rtol_fp32", "0.25",
+                           "--warmup", "0", "--max_rss_mb", "4096", "--atol", "0.5", "--rtol_fp32", "0.25",
                            "--profile", "false", "--no-second-distribution", "--require_triton", "false",
                            "--require-confinement", "false", "--cache_dir", cache, "--seed", "3"])
     assert code == 0
     (cfg,) = fake.configs
-    assert (cfg.perf_trials, cfg.cpu_perf_trials, cfg.warmup, cfg.max_rss_mb, cfg.seed) == (7, 2, 0, 512, 3)
+    assert (cfg.perf_trials, cfg.cpu_perf_trials, cfg.warmup, cfg.max_rss_mb, cfg.seed) == (7, 2, 0, 4096, 3)
     assert (cfg.atol_fp32, cfg.rtol_fp32, cfg.cache_dir) == (0.5, 0.25, cache)
     assert not (cfg.profile or cfg.second_distribution or cfg.require_triton or cfg.require_confinement)
     assert cfg.trials == EvalConfig().trials  # an unset flag keeps the dataclass default
@@ -90,13 +90,21 @@ def test_bad_flag_with_json_exits_2_with_a_json_line(fake, capsys):
 @pytest.mark.parametrize("flag, value", [
     ("--timeout", "0"), ("--timeout", "-5"), ("--timeout", "nan"), ("--timeout", "inf"), ("--trials", "0"),
     ("--perf_trials", "0"), ("--cpu_perf_trials", "0"), ("--warmup", "-1"), ("--atol", "0"),
-    ("--rtol_fp32", "nan"), ("--max_rss_mb", "-1"), ("--seed", "-1"), ("--trials", "1.5"), ("--profile", "maybe"),
+    ("--rtol_fp32", "nan"), ("--max_rss_mb", "-1"), ("--max_rss_mb", "10"), ("--seed", "-1"), ("--trials", "1.5"), ("--profile", "maybe"),
 ])
 def test_bad_values_are_usage_errors_not_verdicts(fake, capsys, flag, value):
     assert evaluator.main([*FILES, "--device", "cpu", flag, value, "--json"]) == 2
     out = last_json(capsys.readouterr().out)
     assert out["usage_error"] is True and flag in out["error"]
     assert fake.configs == []
+
+
+def test_a_memory_limit_the_runner_alone_exceeds_is_refused_and_0_means_the_default(fake, capsys):
+    # below about 900 MB the runner fails before any candidate code runs, and the candidate was blamed
+    assert evaluator.main([*FILES, "--device", "cpu", "--max_rss_mb", "600", "--json"]) == 2
+    assert "the candidate would be blamed" in last_json(capsys.readouterr().out)["error"]
+    assert evaluator.main([*FILES, "--device", "cpu", "--max_rss_mb", "0", "--json"]) == 0
+    assert fake.configs[-1].max_rss_mb == 0
 
 
 def test_cuda_without_a_gpu_is_a_usage_error(fake, no_gpu, capsys):

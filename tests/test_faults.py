@@ -255,7 +255,7 @@ def test_the_unwatched_counterfactual_pair_runs_with_no_timed_call_held(monkeypa
         made.append(weakref.ref(c))
         return c
 
-    def probe(j, kernel, signed, label):
+    def probe(j, kernel, label):
         gc.collect()
         alive_at_probe.append(sum(r() is not None for r in made))
 
@@ -263,7 +263,7 @@ def test_the_unwatched_counterfactual_pair_runs_with_no_timed_call_held(monkeypa
     monkeypatch.setattr(judge, "_candidate_ms", call)
     monkeypatch.setattr(judge, "_verify_held", lambda j, held: held.clear())
     monkeypatch.setattr(judge, "_precise_enough", lambda j, ref_ms, cand_ms: False)
-    monkeypatch.setattr(judge, "_unwatched_probe", lambda j: ("kernel", False))
+    monkeypatch.setattr(judge, "_unwatched_probe", lambda j: "kernel")
     monkeypatch.setattr(judge, "_unwatched_counterfactual", probe)
     for _ in range(4):  # the pair's place is drawn at random
         made.clear()
@@ -279,14 +279,16 @@ def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_
     output. On some draws an honest kernel's perturbation does not show (an argmax of a few
     elements): a checked call on the same inputs and perturbation is right too, and nothing is
     flagged. A candidate that works only when watched answers the two otherwise (None: the
-    unwatched output was wrong, as an honest kernel's mostly is, and nothing more is asked)."""
+    unwatched output was wrong, as an honest kernel's mostly is, and nothing more is asked). Both
+    calls are on uniform inputs, like the timed ones, and the checked one tracks what each launch
+    changed (an idle launch is not credited with the output torch wrote)."""
     import types
 
     from drkernel import compare, judge
     asked = []
 
-    def candidate(j, seed, mode, signed=False, keep=False, perturb=()):
-        asked.append(mode)
+    def candidate(j, seed, mode, signed=False, keep=False, perturb=(), changes=False):
+        asked.append((mode, signed, changes))
         if mode == "check" and watched == "fails":
             raise judge.Stop("runtime_error", "raised on perturbed data")
         out = ("right" if watched else "wrong") if mode == "time" else watched
@@ -302,9 +304,9 @@ def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_
     hacks = []
     j = types.SimpleNamespace(ref=types.SimpleNamespace(twin=None), cfg=None,
                               hack=lambda code, detail, stop=True: hacks.append(code))
-    judge._unwatched_counterfactual(j, "k", False, "the pair")
+    judge._unwatched_counterfactual(j, "k", "the pair")
     assert hacks == (["decoy_kernel"] if flagged else [])
-    assert asked == (["time"] if watched is None else ["time", "check"])
+    assert asked == [("time", False, False)] + ([] if watched is None else [("check", False, True)])
 
 
 def test_a_counterfactual_that_stays_right_is_asked_again_on_other_draws(monkeypatch):
@@ -320,7 +322,7 @@ def test_a_counterfactual_that_stays_right_is_asked_again_on_other_draws(monkeyp
     j = types.SimpleNamespace(cfg=types.SimpleNamespace(require_triton=True), flow=judge.Flow(calls=[[("k", True)]]),
                               details={}, ref=None, hack=lambda code, detail, stop=True: hacks.append(code))
     judge.check_needed(j, signed=False)
-    assert hacks == [] and j.flow.unneeded == set() and j.flow.moved == {"k": False}
+    assert hacks == [] and j.flow.unneeded == set() and j.flow.moved == {"k"}
 
 
 def test_inputs_past_the_file_size_limit_are_the_references_failure(monkeypatch):

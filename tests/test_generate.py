@@ -604,6 +604,9 @@ def test_resume_skips_bad_lines_and_refuses_other_settings(tmp_path, fake_eval, 
     assert "holds no generate.py row (line 1: lacks level, problem_id, task and " in _usage_error(
         capsys, args[:-1] + [str(foreign)])
     assert foreign.read_text() == '{"a": 1}\n{"b": 2}\n' and len(policy.earlier) == 2
+    foreign.write_text('{"verdict": "correct"}\n')  # one whole row of another script's (evaluate.py's results)
+    assert "holds no generate.py row" in _usage_error(capsys, args[:-1] + [str(foreign)])
+    assert foreign.read_text() == '{"verdict": "correct"}\n'
 
 
 def test_resume_refuses_rows_of_another_baseline_and_reuses_rows_that_predate_it(tmp_path, fake_eval,

@@ -227,3 +227,17 @@ def test_decode_step_compiles_few_graphs_over_many_shapes(model):
             assert got.shape == (b, vocab) and torch.isfinite(got).all()
     assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
     torch._dynamo.reset()
+
+
+def test_the_static_backend_never_allocates_past_the_models_context(model, tiny_tokenizer, prompts):
+    """Its cache and token buffers are sized up front: a hundred million new tokens asked took the
+    host's memory. Responses end at the context instead."""
+    context = model.config.max_position_embeddings
+    model.config.max_position_embeddings = 40
+    try:
+        outs = generate(model, tiny_tokenizer, prompts, GenerationConfig(max_new_tokens=200, do_sample=False,
+                                                                         ignore_eos=True, backend="static"))
+    finally:
+        model.config.max_position_embeddings = context
+    longest = max(map(len, prompts))
+    assert all(len(o.response_ids) == 40 - longest for o in outs)

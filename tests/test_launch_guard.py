@@ -193,6 +193,9 @@ def test_constants_may_be_built_from_math_but_not_from_a_rebound_math():
     ("N = 3", "C = tl.constexpr(4 if N > 2 and N != 5 else 8)", "N"),
     ("DIM = 100", "C = tl.constexpr(max(16, triton.next_power_of_2(DIM)))", "max"),  # numeric builtins
     ("DIM = 100", "C = tl.constexpr(min(abs(-DIM), round(2.5)))", "abs"),
+    ("import numpy as np", "C = tl.constexpr(float(np.finfo(np.float32).min))", "np"),  # numpy's dtype limits
+    ("import torch", "C = tl.constexpr(torch.pi / 2)", "torch"),  # torch's numbers
+    ("N = 3", "C, E = tl.constexpr(N * 2), 5", "N"),  # a tuple unpacked into constants
 ])
 def test_the_source_scan_knows_constants_the_way_kernels_write_them(header, constant, part):
     """Constants that LLM-written kernels hold; the same with any part rebound or made by a call of
@@ -202,6 +205,20 @@ def test_the_source_scan_knows_constants_the_way_kernels_write_them(header, cons
     assert triton_source.python_calls(text) == []
     rebound = text.replace(constant, f"{part} = object()\n{constant}")
     assert any("reads C" in f for f in triton_source.python_calls(rebound)), (rebound, triton_source.python_calls(rebound))
+
+
+@pytest.mark.parametrize("binding", [
+    "try:\n    import triton.language.math as tmath\nexcept ImportError:\n    tmath = tl\n",
+    "if hasattr(tl, 'math'):\n    tmath = tl.math\nelse:\n    import triton.language as tmath\n",
+])
+def test_a_name_for_a_triton_module_may_be_bound_in_two_ways_but_never_to_another_object(binding):
+    """Code written for several Triton versions picks its math module at import; a branch that binds
+    the name to anything but Triton's own makes the kernel's calls through it Python."""
+    text = (f"import triton\nimport triton.language as tl\n{binding}"
+            "@triton.jit\ndef k(x):\n    tl.store(x, tmath.exp(tl.load(x)))\n")
+    assert triton_source.python_calls(text) == []
+    other = text.replace("tmath = tl\n", "tmath = object()\n").replace("tmath = tl.math\n", "tmath = object()\n")
+    assert any("calls tmath.exp" in f for f in triton_source.python_calls(other)), triton_source.python_calls(other)
 
 
 def test_the_source_scan_reads_a_jit_call_as_a_kernel_and_ignores_tensor_annotations():

@@ -443,3 +443,26 @@ def test_a_memfd_kept_only_by_a_mapping_counts_toward_the_disk_limit(tmp_path):
     sandbox._kill_runners_over_disk([(str(runner_dir), pid)], limit_mb=2)
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def test_many_mappings_of_one_unnamed_file_are_looked_at_once():
+    """60,000 mappings of one deleted file would cost the supervisor a stat each, every poll (half a
+    second a poll, the job's limits biting late): one path per file, whatever its mappings."""
+    import ctypes
+    import mmap
+    from drkernel import procfs
+    libc = ctypes.CDLL(None, use_errno=True)  # Python's mmap objects would each keep a descriptor
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.memfd_create("mapped_often")
+    os.ftruncate(fd, 2 * 4096)
+    # alternate offsets so that the kernel cannot merge neighbouring mappings into one
+    maps = [libc.mmap(None, 4096, mmap.PROT_READ, mmap.MAP_SHARED, fd, 4096 * (k % 2)) for k in range(300)]
+    try:
+        paths = [p for p in procfs._mapped_unnamed_files(os.getpid()) if "mapped_often" in os.readlink(p)]
+        assert len(paths) == 1, len(paths)
+    finally:
+        for address in maps:
+            libc.munmap(address, 4096)
+        os.close(fd)

@@ -41,7 +41,8 @@ def test_rows_with_a_non_integer_level_or_a_repeated_problem_are_refused():
     good = {"code": code, "level": 1, "problem_id": 1, "name": "1_ReLU.py"}
     assert [t.problem_id for t in rows_to_tasks([good, {**good, "problem_id": "2"}])] == [1, 2]
     for rows, words in (([{**good, "level": "x"}], "level must be an integer"),
-                        ([good, {**good, "name": "other.py"}], "appears twice")):
+                        ([good, {**good, "name": "other.py"}], "appears twice"),
+                        ([{**good, "code": 5}], "its code is a int, not text")):
         with pytest.raises(TaskError, match=words):
             rows_to_tasks(rows, "t")
 
@@ -63,6 +64,16 @@ def test_a_task_file_that_is_not_utf8_is_a_task_error(tmp_path):
     bad.write_bytes(b"\xff\xfeclass Model: pass\n")
     with pytest.raises(TaskError, match="not UTF-8 text"):
         load_task_file(bad)
+
+
+def test_files_that_start_with_a_byte_order_mark_read_as_python_reads_them(tmp_path):
+    """Editors on Windows write a BOM; Python runs such a file, so the task and the candidate load."""
+    from drkernel.evaluator import _source
+    from drkernel.tasks import load_task_file
+    task = tmp_path / "1_ReLU.py"
+    task.write_bytes(b"\xef\xbb\xbf" + (BUNDLED_DIR / "1_ReLU.py").read_bytes())
+    assert load_task_file(task).code == (BUNDLED_DIR / "1_ReLU.py").read_text()
+    assert _source(str(task))[0] == _source(task.read_bytes())[0] == (BUNDLED_DIR / "1_ReLU.py").read_text()
 
 
 @pytest.mark.parametrize("text, words", [("x = 1\0\n", "(ValueError: )?source code string cannot contain null bytes"), ("x = " + "-" * 5000 + "1\n", "RecursionError"),

@@ -275,3 +275,12 @@ def test_a_new_run_refuses_an_output_dir_holding_a_previous_run(train, built, ca
         f"continue it, or another --output_dir"]
     assert run(train, stage + ["--resume_from", "auto", "--max_steps", "9"], capsys)[0] == 0
     assert run(train, stage + ["--output_dir", "runs/other"], capsys)[0] == 0 and len(built) == 3
+
+    other = Path("runs") / "evaluated"  # another script's output: this run's report would replace its report
+    other.mkdir()
+    (other / "results.jsonl").write_text("{}\n")
+    (other / ".hidden").write_text("")
+    status, err = run(train, stage + ["--output_dir", str(other)], capsys)
+    assert status == 2 and len(built) == 3 and err[1:] == [
+        f"train.py: error: {other} holds files of something else (results.jsonl); a run writes its checkpoints, "
+        f"metrics and report there: give it a new or empty --output_dir"]

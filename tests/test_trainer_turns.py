@@ -299,8 +299,34 @@ def test_a_resumed_run_drops_the_cut_last_line_of_its_metrics(tiny_tokenizer, tm
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]
     (backup,) = tmp_path.glob("metrics.*.jsonl.bak")
     assert backup.read_text() == cut
-    assert "dropped 1 unreadable line(s)" in err and backup.name in err and "line 2: not a JSON object" in err
+    assert "dropped 1 line(s)" in err and backup.name in err and "line 2: not a JSON object" in err
     assert "| 2 |" in (tmp_path / "report.md").read_text() and (tmp_path / "final").is_dir()
+
+
+@pytest.mark.parametrize("kept_checkpoint", (1, 0))
+def test_a_resumed_run_drops_the_rows_logged_after_its_checkpoint(tiny_tokenizer, tmp_path, capsys, kept_checkpoint):
+    """Killed after step 2's row, before checkpoint-2 was complete: the rows after the checkpoint it
+    resumes from are dropped (kept in a .bak), so no old row stands for a step the run has not redone.
+    With no complete checkpoint at all, `--resume_from auto` starts anew and keeps no old row."""
+    scripted_trainer(tiny_tokenizer, tmp_path, max_steps=2).train()
+    metrics = tmp_path / "metrics.jsonl"
+    old = metrics.read_text()
+    (tmp_path / "checkpoint-2" / "trainer_state.json").unlink()
+    if not kept_checkpoint:  # cut off in a way that leaves its state a folder: the new save replaces all of it
+        (tmp_path / "checkpoint-1" / "trainer_state.json").unlink()
+        (tmp_path / "checkpoint-1" / "trainer_state.json").mkdir()
+    remove_run_ending(tmp_path)
+    capsys.readouterr()
+
+    scripted_trainer(tiny_tokenizer, tmp_path, 1, resume_from="auto").train()
+    err = capsys.readouterr().err
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1]
+    assert (rows[0] == json.loads(old.splitlines()[0])) == bool(kept_checkpoint)  # step 1 redone only when fresh
+    (backup,) = tmp_path.glob("metrics.*.jsonl.bak")
+    assert backup.read_text() == old
+    assert f"dropped {2 - kept_checkpoint} line(s)" in err and f"after step {kept_checkpoint} this run starts" in err
+    assert json.loads((tmp_path / "checkpoint-1" / "trainer_state.json").read_text())["step"] == 1
 
 
 def test_a_resumed_run_with_no_step_left_saves_final_and_writes_the_report(tiny_tokenizer, tmp_path, capsys):
