@@ -117,15 +117,22 @@ def evaluate_pass(cfg: EvalConfig, workers: int, pairs: list[tuple[str, str]], c
 
 
 def baseline_pass(path: str, candidates: list[Candidate]) -> Pass:
-    """The 1-worker cold pass of an earlier run's JSON (same candidate set), as the reference."""
-    data = json.loads(Path(path).read_text())
-    if [c["name"] for c in data["candidates"]] != [c.name for c in candidates]:
-        raise SystemExit(f"--baseline {path}: its candidate set differs from this one")
-    p = next(p for p in data["passes"] if p["workers"] == 1 and p["cache"] == "cold")
-    results = [EvalResult(verdict=r["verdict"], hacks=r["hacks"], speedup=r["speedup"],
-                          speedup_interval=r.get("speedup_interval"), wall_s=r["wall_s"],
-                          details={k: r.get(k) for k in DETAILS}) for r in p["results"]]
-    return Pass(1, "cold", p["startup_s"], p["wall_s"], results)
+    """The 1-worker cold pass of an earlier run's JSON (same candidate set), as the reference; an
+    InputError for a file that is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+        names = [c["name"] for c in data["candidates"]]
+        p = next(p for p in data["passes"] if p["workers"] == 1 and p["cache"] == "cold")
+        results = [EvalResult(verdict=r["verdict"], hacks=r["hacks"], speedup=r["speedup"],
+                              speedup_interval=r.get("speedup_interval"), wall_s=r["wall_s"],
+                              details={k: r.get(k) for k in DETAILS}) for r in p["results"]]
+        done = Pass(1, "cold", p["startup_s"], p["wall_s"], results)
+    except (ValueError, KeyError, TypeError, AttributeError, StopIteration) as exc:
+        raise InputError(f"--baseline {path}: not a JSON of this script with a 1-worker cold pass "
+                         f"({type(exc).__name__}: {exc})") from None
+    if names != [c.name for c in candidates]:
+        raise InputError(f"--baseline {path}: its candidate set differs from this one")
+    return done
 
 
 def compare(reference: Pass, other: Pass, candidates: list[Candidate]) -> list[Difference]:

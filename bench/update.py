@@ -44,7 +44,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.entry import check_outputs, count, exit_status  # noqa: E402
+from bench.entry import InputError, check_outputs, count, exit_status  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from bench.qwen2 import random_model  # noqa: E402
 from drkernel import modeling  # noqa: E402
@@ -80,16 +80,16 @@ def parse_variant(text: str) -> dict:
         key, _, val = part.partition("=")
         key = key.strip()
         if key not in KEYS or not val.strip():
-            raise ValueError(f"bad variant part {part!r} in {text!r} (keys: {', '.join(KEYS)})")
+            raise InputError(f"bad variant part {part!r} in {text!r} (keys: {', '.join(KEYS)})")
         try:
             v[key] = int(val)
         except ValueError:
-            raise ValueError(f"bad variant part {part!r} in {text!r}: the value must be an integer") from None
+            raise InputError(f"bad variant part {part!r} in {text!r}: the value must be an integer") from None
     if v["ckpt"] < 0 or v["chunk"] < 0 or v.get("chead", 0) not in (0, 1) or v["compile"] not in (0, 1):
-        raise ValueError(f"bad variant {text!r}: ckpt, chunk >= 0; compile, chead 0 or 1")
+        raise InputError(f"bad variant {text!r}: ckpt, chunk >= 0; compile, chead 0 or 1")
     v.setdefault("chead", v["compile"])
     if v["chead"] and not v["compile"]:
-        raise ValueError(f"bad variant {text!r}: chead=1 needs compile=1")
+        raise InputError(f"bad variant {text!r}: chead=1 needs compile=1")
     v["name"] = (("compile=1," if v["compile"] else "") + ("chead=0," if v["compile"] and not v["chead"] else "")
                  + f"mb={v['mb']},ckpt={v['ckpt']},chunk={v['chunk']}" + ("" if v["ent"] else ",ent=0"))
     v["plain"] = False

@@ -250,12 +250,21 @@ def test_eval_throughput_with_bad_counts_is_one_line(args, says, tmp_path, monke
     ("evaluator.py", ["--device", "cpu", "--repeats", "0"], "argument --repeats: must be at least 1, not 0"),
     ("sft.py", ["--tiny", "--steps", "0"], "argument --steps: must be at least 1, not 0"),
     ("update.py", ["--tiny", "--batch", "x"], "argument --batch: not a whole number: 'x'"),
+    ("update.py", ["--tiny", "--variants", "mb=x"], "bad variant part 'mb=x' in 'mb=x': the value must be an integer"),
+    pytest.param("eval_throughput.py", ["--device", "cpu", "--shrink", "--baseline", "{}"], "not a JSON of this script",
+                 marks=pytest.mark.skipif(not (ROOT.parent / "shared" / "kernelbench").is_dir(),
+                                          reason="needs ../shared/kernelbench")),
 ])
 def test_counts_and_dtypes_a_bench_cannot_use_are_usage_errors(script, args, says, tmp_path):
-    """A batch of -1 or 0 repeats was a traceback, or a JSON of NaN rates written with exit 0."""
+    """A batch of -1 or 0 repeats, a malformed variant or baseline file was a traceback, or a JSON of
+    NaN rates written with exit 0."""
     import subprocess
 
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--out", str(tmp_path / "o.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    (tmp_path / "{}").write_text("{}")  # a baseline file that is JSON of something else
+    out = ["--json", str(tmp_path / "o.json"), "--kernelbench", str(ROOT.parent / "shared" / "kernelbench")] \
+        if script == "eval_throughput.py" else ["--out", str(tmp_path / "o.json")]
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, *out],
+                          cwd=tmp_path if script == "eval_throughput.py" else ROOT, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 2 and says in proc.stderr.strip().splitlines()[-1], proc.stderr
     assert not (tmp_path / "o.json").exists()
