@@ -137,10 +137,13 @@ def _triton_attribute(v: ast.AST | None, tl_names: set[str]) -> bool:
 
 def _triton_binding(name: str, v: ast.AST | None, tl_names: set[str]) -> bool:
     """One binding of `name` gives it one of Triton's own: an attribute of Triton's, another name
-    for a Triton module (`tmath = tl`), or an import from Triton (`import triton.language.math as
-    tmath` in a `try`, `tmath = tl` in its `except`)."""
+    for a Triton module (`tmath = tl`), an import from Triton (`import triton.language.math as
+    tmath` in a `try`, `tmath = tl` in its `except`), or a `hasattr` version check between such."""
     if isinstance(v, ast.alias):
         return name in tl_names
+    if isinstance(v, ast.IfExp):  # a version check: `tl.math.erf if hasattr(tl, "math") else tl.erf`
+        return (isinstance(v.test, ast.Call) and dotted(v.test.func) == "hasattr"
+                and _triton_binding(name, v.body, tl_names) and _triton_binding(name, v.orelse, tl_names))
     return (isinstance(v, ast.Name) and v.id in tl_names) or _triton_attribute(v, tl_names)
 
 

@@ -219,6 +219,11 @@ def test_a_name_for_a_triton_module_may_be_bound_in_two_ways_but_never_to_anothe
     assert triton_source.python_calls(text) == []
     other = text.replace("tmath = tl\n", "tmath = object()\n").replace("tmath = tl.math\n", "tmath = object()\n")
     assert any("calls tmath.exp" in f for f in triton_source.python_calls(other)), triton_source.python_calls(other)
+    chosen = "import triton\nimport triton.language as tl\nEXP = tl.math.exp if hasattr(tl, 'math') else tl.exp\n" \
+             "@triton.jit\ndef k(x):\n    tl.store(x, EXP(tl.load(x)))\n"
+    assert triton_source.python_calls(chosen) == []
+    elsewhere = chosen.replace("else tl.exp", "else print")
+    assert any("calls EXP" in f for f in triton_source.python_calls(elsewhere)), triton_source.python_calls(elsewhere)
 
 
 def test_the_source_scan_reads_a_jit_call_as_a_kernel_and_ignores_tensor_annotations():
