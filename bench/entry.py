@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from drkernel.config import ConfigError, output_problem
+from drkernel.config import COUNT, ConfigError, output_problem
 from drkernel.evaluator import DeviceError
 from drkernel.tasks import TaskError
 
@@ -36,8 +36,8 @@ def count(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    if problem := COUNT.problem("", value):
+        raise argparse.ArgumentTypeError(problem.strip())
     return value
 
 

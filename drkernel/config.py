@@ -147,7 +147,8 @@ def _repeated_key(root: Any) -> Any:
             continue
         names = set()
         for key, value in node.value:
-            name = (key.tag, key.value) if isinstance(key, yaml.ScalarNode) else id(key)
+            # as YAML reads the key (`yes` and `true` are one bool; 1 and 0x1 one int)
+            name = yaml.safe_load(yaml.serialize(key)) if isinstance(key, yaml.ScalarNode) else id(key)
             if name in names:
                 return key
             names.add(name)
@@ -267,7 +268,7 @@ def cache_dir_problem(option: str, path: str) -> str | None:
     return output_problem(option, path, is_dir=True, writable=not os.path.exists(path))
 
 
-_HELD: dict[str, int] = {}  # outputs this process writes: real path -> descriptor holding its lock until exit
+_HELD: dict[str, int] = {}  # locks this process holds on its outputs: real path -> descriptor, until exit
 
 
 def create_output(option: str, path: str, is_dir: bool = False) -> str | None:
@@ -285,18 +286,22 @@ def create_output(option: str, path: str, is_dir: bool = False) -> str | None:
 
 
 def hold_output(option: str, path: str) -> str | None:
-    """Lock an existing output (file or directory) for the rest of this process, so that a second
-    run writing there is refused instead of interleaving its results with this one's; why not, or
-    None. The lock is the kernel's (flock): it ends with the process, however it ends."""
+    """Lock an existing output for the rest of this process, so that a second run writing there is
+    refused instead of interleaving its results with this one's; why not, or None. A folder is
+    locked itself; a file through a hidden `.<name>.lock` beside it, since a run may replace the
+    file (a backup moved aside, a rewrite) and a lock goes with the file it was taken on. The lock
+    is the kernel's (flock): it ends when the last process holding it (this one, or a fork of it)
+    ends, however it ends."""
     import fcntl
 
-    key = os.path.realpath(path)
+    target = Path(path) if Path(path).is_dir() else Path(path).parent / f".{Path(path).name}.lock"
+    key = os.path.realpath(target)
     if key in _HELD:
         return None
     try:
-        fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC | (0 if target.is_dir() else os.O_CREAT), 0o644)
     except OSError as exc:
-        return f"{option} {path}: cannot open it ({exc.strerror or exc})"
+        return f"{option} {path}: cannot lock it ({exc.strerror or exc})"
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

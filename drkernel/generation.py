@@ -49,7 +49,7 @@ class GenerationConfig:
     backend: str = "hf"  # "hf" | "static"
     batch_size: int = 64  # prompts per generate call (sorted by length to limit padding)
     seed: int | None = None  # reproducible sampling when set
-    ignore_eos: bool = False  # always produce max_new_tokens (benchmarks)
+    ignore_eos: bool = False  # always produce max_new_tokens (benchmarks; the static backend stops at the context)
     compile: bool = False  # static backend: torch.compile the decode step (CUDA only)
     gqa_decode: bool = True  # static backend: decode attention without the K/V head expansion
 
@@ -313,7 +313,7 @@ def _room(model, prompt_len: int, max_new_tokens: int) -> int:
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not isinstance(context, int) or context <= 0:
         return max_new_tokens
-    return max(1, min(max_new_tokens, context - prompt_len))
+    return max(0, min(max_new_tokens, context - prompt_len))
 
 
 def _cache_len(total: int, cfg: GenerationConfig) -> int:

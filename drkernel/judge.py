@@ -914,9 +914,9 @@ def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, deg
 def check_correctness(j: Judge) -> None:
     """The trials, uniform and signed-normal inputs in a random order (having seen a signed input
     says nothing about which calls are left), with the counterfactual calls at a random place after
-    the first trial (the kernels it launched are those asked about), on the inputs of the trial
-    before them: a candidate that answers differently when it guesses them fails trials as often,
-    and one that does less on one kind of inputs is asked on either."""
+    the first trial (the kernels it launched are those asked about), on fresh inputs of the kind of
+    the trial before them: a candidate that answers differently when it guesses them fails trials
+    as often, and one that does less on one kind of inputs is asked on either."""
     n = j.cfg.trials
     n_signed = (2 if n >= 4 else 1) if j.cfg.second_distribution else 0
     seeds = j.ref.trial_seeds

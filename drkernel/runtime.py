@@ -52,7 +52,7 @@ SETTINGS_KEY = "config"  # where a checkpoint's trainer_state.json records the r
 STATE_FILES = "files"  # where trainer_state.json lists the checkpoint's state files: {name: bytes}
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 AUTO = ("auto", "latest")  # --resume_from values that mean the newest complete checkpoint of output_dir
-RUN_FILES = ("final", "metrics.jsonl")  # beside checkpoint-N: what a run leaves in output_dir
+RUN_FILES = ("final", "metrics.jsonl", "logs", "sft_config.json")  # beside checkpoint-N: what a run leaves
 _TORCH_SAVED = (".bin", ".pkl", ".pt")  # Accelerate's torch.save files: zip archives
 # transformers schedulers that `get_scheduler(name, optimizer, num_warmup_steps, num_training_steps)`
 # cannot build without further arguments, or that step() only with a metric: the stages give neither
@@ -200,7 +200,7 @@ class MetricsLogger:
     Non-finite floats become null in the JSONL (strict JSON), and only numbers go to trackers.
     """
 
-    def __init__(self, accelerator, output_dir: str | os.PathLike, resumed_step: int = 0):
+    def __init__(self, accelerator, output_dir: str | os.PathLike, resumed_step: int):
         self.acc = accelerator
         self.path = Path(output_dir) / "metrics.jsonl"
         if self.acc.is_main_process:
@@ -299,8 +299,10 @@ def save_checkpoint(accelerator, model, tokenizer, cfg: RunConfig, step: int,
                     state: dict[str, Any]) -> Path:
     """Everything needed to continue exactly: Accelerate state (+ RNG) and our trainer state."""
     path = Path(cfg.output_dir) / f"checkpoint-{step}"
-    if accelerator.is_main_process and path.exists():  # an earlier, cut-off save of this step: none of it may mix in
-        shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    if accelerator.is_main_process and path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)  # an earlier, cut-off save of this step: none of it may mix in
+    elif accelerator.is_main_process and os.path.lexists(path):
+        path.unlink()
     accelerator.wait_for_everyone()
     accelerator.save_state(str(path))
     save_model(accelerator, model, tokenizer, path / "model")
@@ -464,9 +466,10 @@ def start_run(cls: type[T], argv: Sequence[str] | None, preset: str | os.PathLik
     resume check done (ConfigError when it refuses)."""
     run = load_config(cls, argv, preset)
     say(run.start_line(prog))
-    for warning in check_resume(run.cfg):
-        say(f"{prog}: warning: {warning}")
-    # the launch's other processes share the first one's directory: it alone holds the lock
+    # first, so that no check reads a directory another run is writing; the launch's other
+    # processes share the first one's directory, and it alone holds the lock
     if first_process() and (problem := create_output("--output_dir", run.cfg.output_dir, is_dir=True)):
         raise ConfigError(problem)
+    for warning in check_resume(run.cfg):
+        say(f"{prog}: warning: {warning}")
     return run.cfg

@@ -86,8 +86,10 @@ def python_calls(source: str, tree: ast.AST | None = None) -> list[str]:
     bindings = module_bindings(tree)
     python = {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
               and n.name not in kernels and not _triton_decorated(n, tl_names)}
+    imports = _triton_imports(tree)
+    pure = {name for name, values in bindings.items() if all(isinstance(v, ast.alias) and id(v) in imports for v in values)}
     python |= {name for name, values in bindings.items() if any(not isinstance(v, ast.alias) for v in values)
-               and not all(_triton_binding(name, v, tl_names) for v in values)}
+               and not all(_triton_binding(v, tl_names, imports, pure) for v in values)}
     python = (python - kernels - {"*"}) | {"torch"}
     constants = _constants(tree, bindings, tl_names)
     every_def = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
@@ -135,16 +137,30 @@ def _triton_attribute(v: ast.AST | None, tl_names: set[str]) -> bool:
     return isinstance(v, ast.Attribute) and isinstance(v.ctx, ast.Load) and dotted(v).split(".")[0] in tl_names
 
 
-def _triton_binding(name: str, v: ast.AST | None, tl_names: set[str]) -> bool:
-    """One binding of `name` gives it one of Triton's own: an attribute of Triton's, another name
-    for a Triton module (`tmath = tl`), an import from Triton (`import triton.language.math as
-    tmath` in a `try`, `tmath = tl` in its `except`), or a `hasattr` version check between such."""
+def _triton_binding(v: ast.AST | None, tl_names: set[str], imports: set[int], pure: set[str]) -> bool:
+    """One binding of a name gives it one of Triton's own: an attribute of Triton's, an import from
+    Triton (`imports`: their alias nodes), another name for a module only ever bound by such an
+    import (`pure`: `tmath = tl`, `tl` from `import triton.language as tl` alone), or a `hasattr`
+    version check between such (`import triton.language.math as tmath` in a `try`, `tmath = tl` in
+    its `except`)."""
     if isinstance(v, ast.alias):
-        return name in tl_names
+        return id(v) in imports
     if isinstance(v, ast.IfExp):  # a version check: `tl.math.erf if hasattr(tl, "math") else tl.erf`
         return (isinstance(v.test, ast.Call) and dotted(v.test.func) == "hasattr"
-                and _triton_binding(name, v.body, tl_names) and _triton_binding(name, v.orelse, tl_names))
-    return (isinstance(v, ast.Name) and v.id in tl_names) or _triton_attribute(v, tl_names)
+                and all(_triton_binding(x, tl_names, imports, pure) for x in (v.body, v.orelse)))
+    return (isinstance(v, ast.Name) and v.id in pure) or _triton_attribute(v, tl_names)
+
+
+def _triton_imports(tree: ast.AST) -> set[int]:
+    """The alias nodes of the imports from Triton (`import triton.language as tl`, `from
+    triton.language import math`)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {id(a) for a in node.names if a.name.split(".")[0] == "triton"}
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "triton":
+            out |= {id(a) for a in node.names}
+    return out
 
 
 def _call_findings(fn: ast.FunctionDef | ast.AsyncFunctionDef, outside: set[str]) -> list[str]:

@@ -275,7 +275,8 @@ def test_a_path_the_system_refuses_to_look_at_is_one_line(tmp_path):
 def test_a_key_given_twice_in_a_config_file_is_refused_at_any_depth(tmp_path):
     # YAML keeps the last of two values silently: one of the user's two settings would be dropped
     path = tmp_path / "run.yaml"
-    for text, key, line in (("lr: 1\nseed: 2\nlr: 3\n", "lr", 3), ("x: [{c: 1, c: 2}]\n", "c", 1)):
+    for text, key, line in (("lr: 1\nseed: 2\nlr: 3\n", "lr", 3), ("x: [{c: 1, c: 2}]\n", "c", 1),
+                            ("x: {yes: 1, true: 2}\n", "true", 1)):  # one key as YAML reads it
         path.write_text(text)
         with pytest.raises(ConfigError, match=f"^--config {path}: '{key}' is given twice \\(line {line}\\)"):
             load_yaml(str(path))
@@ -299,6 +300,10 @@ def test_a_second_run_writing_the_same_output_is_refused_while_the_first_runs(tm
     try:
         assert first.stdout.readline().strip() == "None"
         assert "another run is writing there now" in create_output("--output", path, is_dir=kind == "dir")
+        if kind == "file":  # the first run replaces its file (a rewrite, a backup moved aside): still held
+            Path(path + ".new").write_text("")
+            os.replace(path + ".new", path)
+            assert "another run is writing there now" in create_output("--output", path)
     finally:
         first.kill()
         first.wait()

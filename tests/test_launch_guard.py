@@ -219,6 +219,12 @@ def test_a_name_for_a_triton_module_may_be_bound_in_two_ways_but_never_to_anothe
     assert triton_source.python_calls(text) == []
     other = text.replace("tmath = tl\n", "tmath = object()\n").replace("tmath = tl.math\n", "tmath = object()\n")
     assert any("calls tmath.exp" in f for f in triton_source.python_calls(other)), triton_source.python_calls(other)
+    # a name for what is no Triton module, however it is spelled: `tl` itself rebound to torch
+    for rebound in ("import torch as tl\ntl = tl.nn.functional\n", "import torch\ntl = torch\n"):
+        borrowed = (f"import triton\n{rebound}tmath = tl\n"
+                    "@triton.jit\ndef k(x):\n    tl.store(x, tmath.relu(tl.load(x)))\n")
+        assert any("calls tmath.relu" in f for f in triton_source.python_calls(borrowed)), (
+            rebound, triton_source.python_calls(borrowed))
     chosen = "import triton\nimport triton.language as tl\nEXP = tl.math.exp if hasattr(tl, 'math') else tl.exp\n" \
              "@triton.jit\ndef k(x):\n    tl.store(x, EXP(tl.load(x)))\n"
     assert triton_source.python_calls(chosen) == []
