@@ -1283,8 +1283,10 @@ def _unwatched_probe(j: Judge) -> str | None:
 def _unwatched_counterfactual(j: Judge, kernel: str, label: str) -> None:
     """A pair like the timed ones (twin, then runner, on the same fresh uniform inputs; neither time
     counts) in which `kernel`'s launches read perturbed data, as they did in a checked call whose
-    output went wrong. Nothing tells this call from the timed ones before its launches: an output
-    still right here, where the kernel ran, comes from work done elsewhere in the calls the
+    output went wrong; then a checked call on the same inputs and perturbation. Nothing tells the
+    pair from the timed calls before its launches, and a kernel that does its work in every call
+    answers both alike: an output that differs between them, or one right in both where no launch
+    of the candidate's changed the output, comes from work done elsewhere in the calls the
     candidate guessed nobody checks (the data-flow log's cost, a call count, a core: any sign)."""
     seed = fresh_seed()
     ref = call(j.ref, j.ref.twin, seed, "time", keep=True).output
@@ -1293,28 +1295,31 @@ def _unwatched_counterfactual(j: Judge, kernel: str, label: str) -> None:
     except Stop:
         return  # perturbed data may make an honest kernel fail
     _check_left_idle(j, label)
-    ran = kernel in _own_kernels(j, c.reply.get("kernels"))
-    right = ran and _right(j, c.output, ref, signed=False)
-    c = None  # its inputs and output go before the checked call's come
-    if right and not _watched_agrees(j, kernel, seed, ref):
-        j.hack("decoy_kernel", f"{label}: the output stayed right when what {kernel} read was perturbed, and a "
-                               "checked call on the same inputs and perturbation did not: outside the checked calls "
-                               "its work does not reach the output")
+    if kernel not in _own_kernels(j, c.reply.get("kernels")):
+        return
+    unwatched, right = c.output, _right(j, c.output, ref, signed=False)
+    c = ref = None  # their inputs and output go before the checked call's come
+    why = _watched_disagrees(j, kernel, seed, unwatched, right)
+    if why:
+        j.hack("decoy_kernel", f"{label}: with what {kernel} read perturbed, {why}: outside the checked calls its "
+                               "work does not reach the output")
 
 
-def _watched_agrees(j: Judge, kernel: str, seed: int, ref: Any) -> bool:
-    """Whether a checked call on the same inputs, `kernel`'s reads perturbed alike, is right too,
-    with the output made by what the candidate's launches changed: an honest kernel whose
-    perturbation this draw does not show (an argmax of a few elements, a short label tensor rolled
-    onto itself) answers alike in both; one that works only when watched does not, nor one whose
-    launch changes nothing while torch answers (it reads its own flag, set after the checked trials)."""
+def _watched_disagrees(j: Judge, kernel: str, seed: int, unwatched: Any, right: bool) -> str:
+    """Why a checked call on the unwatched pair's inputs, `kernel`'s reads perturbed alike, gives
+    it away; empty where it does not. An honest kernel answers alike in both, also where this draw
+    does not show its perturbation (an argmax of a few elements, a short label tensor rolled onto
+    itself), and there what its launches changed makes the output; one that works only when watched
+    answers otherwise (torch's answer unwatched, or the kernel's work on a sliver of the output),
+    or, right in both, changed nothing (an idle launch beside torch)."""
     try:
         c = call_candidate(j, seed, "check", keep=True, perturb=(kernel,), changes=True)
     except Stop:
-        return False
-    if not _right(j, c.output, ref, signed=False):
-        return False
-    return any(needed for _, needed in _launch_needs(j, "a counterfactual call", c.reply.get("flow"))[2])
+        return "the output stayed right, and a checked call failed" if right else ""
+    if c.output is None or not compare.compare(unwatched, c.output, j.cfg).ok:
+        return "the output of a call like the timed ones differed from a checked call's on the same inputs"
+    needed = any(n for _, n in _launch_needs(j, "a counterfactual call", c.reply.get("flow"))[2])
+    return "" if needed or not right else "the output stayed right, and no launch of the candidate's changed it"
 
 
 def _output_bytes(r: Reference) -> int:

@@ -272,16 +272,22 @@ def test_the_unwatched_counterfactual_pair_runs_with_no_timed_call_held(monkeypa
     assert alive_at_probe == [0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("watched, flagged", [("right", False), ("wrong", True), ("fails", True), (None, False)])
+@pytest.mark.parametrize("unwatched, watched, needed, flagged", [
+    ("right", "right", True, False),  # an honest kernel whose perturbation this draw does not show
+    ("wrong", "wrong", True, False),  # an honest kernel: the perturbation shows alike in both
+    ("wrong", "fails", True, False),  # perturbed data may make an honest kernel fail
+    ("right", "wrong", True, True),  # torch answers unwatched, the kernel when watched
+    ("right", "fails", True, True),
+    ("wrong", "wrong elsewhere", True, True),  # the kernel's work reaches a sliver of the output unwatched
+    ("right", "right", False, True),  # an idle launch beside torch: right in both, nothing changed
+])
 def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_inputs_disagrees(
-        monkeypatch, watched, flagged):
+        monkeypatch, unwatched, watched, needed, flagged):
     """The pair among the timed calls perturbs a kernel whose checked counterfactual moved the
-    output. On some draws an honest kernel's perturbation does not show (an argmax of a few
-    elements): a checked call on the same inputs and perturbation is right too, and nothing is
-    flagged. A candidate that works only when watched answers the two otherwise (None: the
-    unwatched output was wrong, as an honest kernel's mostly is, and nothing more is asked). Both
-    calls are on uniform inputs, like the timed ones, and the checked one tracks what each launch
-    changed (an idle launch is not credited with the output torch wrote)."""
+    output; a checked call on the same inputs and perturbation follows. A kernel that does its work
+    in every call answers both alike (and, where right, its launches changed the output); one that
+    works only when watched does not. Both calls are on uniform inputs, like the timed ones, and the
+    checked one tracks what each launch changed."""
     import types
 
     from drkernel import compare, judge
@@ -289,9 +295,9 @@ def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_
 
     def candidate(j, seed, mode, signed=False, keep=False, perturb=(), changes=False):
         asked.append((mode, signed, changes))
-        if mode == "check" and watched == "fails":
+        out = unwatched if mode == "time" else watched
+        if out == "fails":
             raise judge.Stop("runtime_error", "raised on perturbed data")
-        out = ("right" if watched else "wrong") if mode == "time" else watched
         return judge.Call(reply={"kernels": ["k"], "flow": {}}, wall_ms=1.0, inputs=[], seed=seed, output=out)
 
     monkeypatch.setattr(judge, "call", lambda *a, **k: judge.Call(reply={}, wall_ms=1.0, inputs=[], seed=0,
@@ -299,14 +305,15 @@ def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_
     monkeypatch.setattr(judge, "call_candidate", candidate)
     monkeypatch.setattr(judge, "_check_left_idle", lambda j, label: None)
     monkeypatch.setattr(judge, "_own_kernels", lambda j, names: set(names or ()))
-    monkeypatch.setattr(judge, "_launch_needs", lambda j, label, flow: ([], [], [("k", True)]))
-    monkeypatch.setattr(compare, "compare", lambda out, ref, cfg, **kw: compare.Match(out == "right", ""))
+    monkeypatch.setattr(judge, "_launch_needs", lambda j, label, flow: ([], [], [("k", needed)]))
+    monkeypatch.setattr(compare, "compare", lambda out, ref, cfg, **kw: compare.Match(
+        out == "right" if ref == "ref" else out == ref, ""))
     hacks = []
     j = types.SimpleNamespace(ref=types.SimpleNamespace(twin=None), cfg=None,
                               hack=lambda code, detail, stop=True: hacks.append(code))
     judge._unwatched_counterfactual(j, "k", "the pair")
     assert hacks == (["decoy_kernel"] if flagged else [])
-    assert asked == [("time", False, False)] + ([] if watched is None else [("check", False, True)])
+    assert asked == [("time", False, False), ("check", False, True)]
 
 
 def test_a_counterfactual_that_stays_right_is_asked_again_on_other_draws(monkeypatch):
