@@ -49,7 +49,7 @@ class GenerationConfig:
     backend: str = "hf"  # "hf" | "static"
     batch_size: int = 64  # prompts per generate call (sorted by length to limit padding)
     seed: int | None = None  # reproducible sampling when set
-    ignore_eos: bool = False  # always produce max_new_tokens (benchmarks; the static backend stops at the context)
+    ignore_eos: bool = False  # always produce max_new_tokens (benchmarks), up to the model's context
     compile: bool = False  # static backend: torch.compile the decode step (CUDA only)
     gqa_decode: bool = True  # static backend: decode attention without the K/V head expansion
 
@@ -161,14 +161,17 @@ def _generate_hf(model, tokenizer, prompts, cfg, eos, pad_id) -> list[GenOutput]
 
     device = _model_device(model)
     ids, mask = left_pad(prompts, pad_id, device)
-    kwargs = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.do_sample,
+    n_new = _room(model, ids.shape[1], int(cfg.max_new_tokens))
+    if n_new == 0:  # the prompts fill the model's context
+        return [_trim([], [], set()) for _ in prompts]
+    kwargs = dict(max_new_tokens=n_new, do_sample=cfg.do_sample,
                   eos_token_id=eos or None, pad_token_id=pad_id,
                   return_dict_in_generate=True, output_logits=True)
     if cfg.do_sample:
         kwargs.update(temperature=logprob_temperature(cfg), top_p=cfg.top_p,
                       top_k=cfg.top_k if cfg.top_k > 0 else None)
     if cfg.ignore_eos:
-        kwargs["min_new_tokens"] = cfg.max_new_tokens
+        kwargs["min_new_tokens"] = n_new
     gen_cfg = HFGenerationConfig(**kwargs)  # fresh: no processors inherited from the checkpoint
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
     new = out.sequences[:, ids.shape[1]:]
@@ -307,9 +310,9 @@ def _shape_buckets(prompts: list, cfg: GenerationConfig) -> list:
 
 
 def _room(model, prompt_len: int, max_new_tokens: int) -> int:
-    """New tokens the static buffers hold: `max_new_tokens`, but never past the model's context
-    (`max_position_embeddings`), for which the cache and the token buffers are allocated up front
-    (a hundred million new tokens asked would take every gigabyte of the host)."""
+    """New tokens after prompts padded to `prompt_len`: `max_new_tokens`, but never past the model's
+    context (`max_position_embeddings`), for which the static backend allocates its cache and token
+    buffers up front (a hundred million new tokens asked would take every gigabyte of the host)."""
     context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not isinstance(context, int) or context <= 0:
         return max_new_tokens

@@ -229,15 +229,17 @@ def test_decode_step_compiles_few_graphs_over_many_shapes(model):
     torch._dynamo.reset()
 
 
-def test_the_static_backend_never_allocates_past_the_models_context(model, tiny_tokenizer, prompts):
-    """Its cache and token buffers are sized up front: a hundred million new tokens asked took the
-    host's memory. Responses end at the context instead."""
+@pytest.mark.parametrize("backend", ["static", "hf"])
+def test_responses_end_at_the_models_context(model, tiny_tokenizer, prompts, backend):
+    """The static backend sizes its cache and token buffers up front: a hundred million new tokens
+    asked took the host's memory. Both backends end responses at the context instead."""
     context = model.config.max_position_embeddings
-    model.config.max_position_embeddings = 40
+    longest = max(map(len, prompts))
     try:
-        outs = generate(model, tiny_tokenizer, prompts, GenerationConfig(max_new_tokens=200, do_sample=False,
-                                                                         ignore_eos=True, backend="static"))
+        for limit, room in ((40, 40 - longest), (longest, 0)):
+            model.config.max_position_embeddings = limit
+            outs = generate(model, tiny_tokenizer, prompts, GenerationConfig(max_new_tokens=200, do_sample=False,
+                                                                             ignore_eos=True, backend=backend))
+            assert [len(o.response_ids) for o in outs] == [room] * len(prompts)
     finally:
         model.config.max_position_embeddings = context
-    longest = max(map(len, prompts))
-    assert all(len(o.response_ids) == 40 - longest for o in outs)
