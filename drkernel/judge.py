@@ -912,17 +912,22 @@ def _judge_values(j: Judge, ti: int, signed: bool, out, ref, pristine: list, deg
 
 
 def check_correctness(j: Judge) -> None:
-    """The trials, uniform and signed-normal inputs in a random order (having seen a signed input
-    says nothing about which calls are left), with the counterfactual calls at a random place after
-    the first trial (the kernels it launched are those asked about), on fresh inputs of the kind of
-    the trial before them: a candidate that answers differently when it guesses them fails trials
-    as often, and one that does less on one kind of inputs is asked on either."""
+    """The trials: a uniform one, then the other uniform and the signed-normal ones in a random
+    order (having seen a signed input says nothing about which calls are left), with the
+    counterfactual calls at a random place after the first trial (the kernels it launched are
+    those asked about), on fresh inputs of the kind of the trial before them: a candidate that
+    answers differently when it guesses them fails trials as often, and one that does less on one
+    kind of inputs is asked on either."""
     n = j.cfg.trials
     n_signed = (2 if n >= 4 else 1) if j.cfg.second_distribution else 0
     seeds = j.ref.trial_seeds
     plan = [(seeds[i], False) for i in range(n)] + [(seeds[n + i], True) for i in range(n_signed)]
     pick = random.SystemRandom()
-    pick.shuffle(plan)
+    # the first call may autotune and is no launch pattern's model (`Flow.steady`, `launch_pattern`):
+    # a signed one there would leave no signed call to compare the uniform ones with
+    later = plan[1:]
+    pick.shuffle(later)
+    plan = plan[:1] + later
     counterfactual_at = 1 + pick.randrange(len(plan))
     # The degenerate check (two passes over multi-GB outputs) runs on every signed trial, where
     # trivial answers differ most from the reference, on one uniform trial the candidate cannot
