@@ -130,8 +130,9 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     return cls(**{k: coerce(v, types_[k], k) for k, v in data.items()})
 
 
-def _repeated_key(root: Any) -> Any:
-    """The first key node that repeats a key of its own mapping, anywhere under `root`; None if none.
+def _repeated_key(root: Any, loader: Any) -> Any:
+    """The first key node that repeats a key of its own mapping, anywhere under `root` (a node
+    `loader` composed, which reads each key as the document will); None if none.
     YAML keeps a repeated key's last value silently, so one of two settings would be dropped unseen."""
     import yaml
 
@@ -148,7 +149,7 @@ def _repeated_key(root: Any) -> Any:
         names = set()
         for key, value in node.value:
             # as YAML reads the key (`yes` and `true` are one bool; 1 and 0x1 one int)
-            name = yaml.safe_load(yaml.serialize(key)) if isinstance(key, yaml.ScalarNode) else id(key)
+            name = loader.construct_object(key) if isinstance(key, yaml.ScalarNode) else id(key)
             if name in names:
                 return key
             names.add(name)
@@ -162,9 +163,13 @@ def load_yaml(path: str) -> dict[str, Any]:
     import yaml
 
     try:
-        text = Path(path).read_text()
-        data = yaml.safe_load(text)
-        repeated = _repeated_key(yaml.compose(text))
+        loader = yaml.SafeLoader(Path(path).read_text())
+        try:  # one parse: the tree checked for repeated keys, then built
+            root = loader.get_single_node()
+            repeated = _repeated_key(root, loader)
+            data = loader.construct_document(root) if root is not None else None
+        finally:
+            loader.dispose()
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -294,12 +299,12 @@ def hold_output(option: str, path: str) -> str | None:
     ends, however it ends."""
     import fcntl
 
-    target = Path(path) if Path(path).is_dir() else Path(path).parent / f".{Path(path).name}.lock"
-    key = os.path.realpath(target)
+    folder = Path(path).is_dir()
+    key = os.path.realpath(path if folder else Path(path).parent / f".{Path(path).name}.lock")
     if key in _HELD:
         return None
     try:
-        fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC | (0 if target.is_dir() else os.O_CREAT), 0o644)
+        fd = os.open(key, os.O_RDONLY | os.O_CLOEXEC | (0 if folder else os.O_CREAT), 0o644)
     except OSError as exc:
         return f"{option} {path}: cannot lock it ({exc.strerror or exc})"
     try:
