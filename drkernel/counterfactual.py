@@ -16,8 +16,8 @@ A range the launch only reads is put back after it, exactly (powers of two, or f
 range it reads and writes keeps what the launch wrote; every element the launch left as it found
 it gets its old value back from a copy. A range it only writes is left alone: its old content is
 not the launch's input. A float range holding a NaN or a finite value that the scaling could
-overflow (it would not come back bit for bit), and one reached through two dtypes, have their bytes
-rolled instead.
+overflow (it would not come back bit for bit), one reached through two dtypes, and one of a dtype
+torch has no such ops for, have their bytes rolled instead.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ from drkernel.triton_source import Kernel
 
 FACTORS = (-2.0, 4.0)  # by element, in turn; powers of two, so that scaling back is exact
 _CHUNK = 1 << 24  # elements per step of the overflow check (its temporaries stay this small)
+# dtypes whose values are scaled or rolled as such; any other (complex, 8-bit floats, sub-byte and
+# quantized dtypes, where torch lacks the ops) has its bytes rolled, so no dtype escapes the perturbation
+_TYPED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
 
 
 def scale(flat: torch.Tensor, phase: int, inverse: bool = False) -> torch.Tensor:
@@ -110,8 +114,7 @@ def _region(tensors: list[torch.Tensor], lo: int, hi: int, written: bool, phase:
     unperturbed under a second dtype)."""
     t = tensors[0]
     size = t.element_size()
-    if len({x.dtype for x in tensors}) > 1 or t.is_complex() or (size < 2 and t.is_floating_point()) \
-            or lo % size or hi % size:
+    if len({x.dtype for x in tensors}) > 1 or t.dtype not in _TYPED or lo % size or hi % size:
         return _rolled(t, lo, hi, written)
     flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), lo // size, ((hi - lo) // size,), (1,))
     if not t.is_floating_point():

@@ -71,11 +71,11 @@ class EvalConfig:
     # On-disk results keyed by both codes, these settings and the environment (drkernel.evalcache);
     # empty: no cache.
     cache_dir: str = ""
-    ref_isolated_trials: int = 10  # reference alone before the candidate exists (reference_slowed guard)
+    ref_isolated_trials: int = 10  # reference alone before the candidate exists (roofline bandwidth)
     timing_block_calls: int = 10  # reference and candidate timings alternate in blocks of this many calls
     min_perf_trials: int = 20  # timing stops early once this many calls give a precise enough speedup
     speedup_precision: float = 0.01  # width of the speedup's 95 % bootstrap interval, relative
-    ref_slowdown_limit: float = 1.5  # reference_slowed: interleaved reference > limit x isolated (+ slack)
+    ref_slowdown_limit: float = 1.5  # reference_slowed: reference after a candidate call > limit x after its own (+ slack)
     # Before a measurement the GPU must be idle: a tiny probe kernel, launched and synchronised,
     # must come back within this many ms (an idle H200: ~0.02 ms; next to another context's long
     # kernel: a time slice, >= 1 ms); the judge waits at most `idle_wait_s` for that.

@@ -16,8 +16,8 @@ Once per group (`Reference`), in order:
 3. `calibrate`: trusted null calls through the twin give the judge's clock overhead per call;
 4. `load_twin`: the twin builds the reference model (compiled when `baseline` is compile: the
    compile happens here, outside any timing);
-5. `time_reference_alone`: the twin timed before any candidate code exists (guard against a
-   candidate that slows the reference) and the device copy bandwidth (roofline);
+5. `time_reference_alone`: the twin timed before any candidate code exists and the device copy
+   bandwidth (both bound the roofline);
 6. `probe_profiler`: one profiled call of the twin says whether the profiler works here.
 
 Then per candidate (`Judge`), in order:
@@ -83,6 +83,7 @@ class Call:
     ms: float | None = None  # the runner's own time for the call, where it sent a number
     before_s: float = 0.0  # the judge's seconds before the request (inputs, poison, flush)
     after_s: float = 0.0  # and after the reply (the output's copy)
+    pattern: Any = None  # its launch pattern, as the runner described it (`drkernel.launch_pattern`)
 
 
 @dataclasses.dataclass
@@ -428,20 +429,20 @@ def call_candidate(j: Judge, seed: int, mode: str, signed: bool = False, keep: b
                                        "output slot), which the copy into the slot skips", stop=False)
     _split_call(j, c)
     t = _perf()
-    _launch_pattern(j, mode, judged=not perturb)
+    c.pattern = _launch_pattern(j, mode, judged=not perturb)
     _check_processes(j, f"a {mode} call")
     _check_scheduling(j, before)
     j.spend("process_checks", t)
     return c
 
 
-def _launch_pattern(j: Judge, mode: str, judged: bool = True) -> None:
+def _launch_pattern(j: Judge, mode: str, judged: bool = True) -> Any:
     """The call's launch pattern, asked for after its reply: a checked call's is learnt, any other
     call's must be one of them (`drkernel.launch_pattern`). A counterfactual call's is asked for
     as any other's and not judged (perturbed data may take an honest forward down another branch)."""
     sig = j.runner.ask({"op": "pattern"}).get("pattern")
     if not judged:
-        return
+        return sig
     try:
         allowed = j.patterns.learn(sig) if mode == "check" else j.patterns.allows(sig)
         j.last_launches = launch_pattern.kernel_counts(sig)
@@ -450,6 +451,7 @@ def _launch_pattern(j: Judge, mode: str, judged: bool = True) -> None:
     if not allowed:
         j.hack("launch_pattern_changed", f"a {mode} call launched the candidate's kernels otherwise than the "
                                          f"checked calls did: {short(str(sig), 300)}")
+    return sig
 
 
 def _split_call(j: Judge, c: Call) -> None:
@@ -1302,27 +1304,31 @@ def _unwatched_counterfactual(j: Judge, kernel: str, label: str) -> None:
     _check_left_idle(j, label)
     if kernel not in _own_kernels(j, c.reply.get("kernels")):
         return
-    unwatched, right = c.output, _right(j, c.output, ref, signed=False)
+    unwatched, right, pattern = c.output, _right(j, c.output, ref, signed=False), c.pattern
     c = ref = None  # their inputs and output go before the checked call's come
-    why = _watched_disagrees(j, kernel, seed, unwatched, right)
+    why = _watched_disagrees(j, kernel, seed, unwatched, right, pattern)
     if why:
         j.hack("decoy_kernel", f"{label}: with what {kernel} read perturbed, {why}: outside the checked calls its "
                                "work does not reach the output")
 
 
-def _watched_disagrees(j: Judge, kernel: str, seed: int, unwatched: Any, right: bool) -> str:
+def _watched_disagrees(j: Judge, kernel: str, seed: int, unwatched: Any, right: bool, pattern: Any) -> str:
     """Why a checked call on the unwatched pair's inputs, `kernel`'s reads perturbed alike, gives
     it away; empty where it does not. An honest kernel answers alike in both, also where this draw
     does not show its perturbation (an argmax of a few elements, a short label tensor rolled onto
     itself), and there what its launches changed makes the output; one that works only when watched
     answers otherwise (torch's answer unwatched, or the kernel's work on a sliver of the output),
-    or, right in both, changed nothing (an idle launch beside torch)."""
+    or, right in both, changed nothing (an idle launch beside torch). The same inputs and the same
+    perturbation take an honest forward down the same path: the checked call must launch as the
+    pair's did, or a candidate that knows a repeated input could launch something else there."""
     try:
         c = call_candidate(j, seed, "check", keep=True, perturb=(kernel,), changes=True)
     except Stop:
         return "the output stayed right, and a checked call failed" if right else ""
     if c.output is None or not compare.compare(unwatched, c.output, j.cfg).ok:
         return "the output of a call like the timed ones differed from a checked call's on the same inputs"
+    if not j.patterns.same_launches(pattern, c.pattern):
+        return "a checked call on the same inputs launched the candidate's kernels otherwise than a call like the timed ones"
     needed = any(n for _, n in _launch_needs(j, "a counterfactual call", c.reply.get("flow"))[2])
     return "" if needed or not right else "the output stayed right, and no launch of the candidate's changed it"
 
@@ -1345,7 +1351,7 @@ def _record_speed(j: Judge, ref_ms: list[float], ref_walls: list[float], events:
         ref_ms, events = ref_walls, walls
         cand_ms = median(events)
     j.out.ref_ms = median(ref_ms)
-    _check_reference_slowed(j)
+    _check_reference_slowed(j, ref_ms)
     j.out.candidate_ms = _roofline(j, cand_ms)
     # the median pair ratio, lowered as much as the judge's clock or a re-time lowered the candidate's median
     scale = median(events) / j.out.candidate_ms if j.out.candidate_ms > 0 else 0.0
@@ -1359,26 +1365,21 @@ def _record_speed(j: Judge, ref_ms: list[float], ref_walls: list[float], events:
         j.out.speedup_interval = [lo * scale, hi * scale]
 
 
-def _check_reference_slowed(j: Judge) -> None:
-    """Something the candidate left running on the GPU slows the reference it is compared to. A
-    host-bound reference's own time also moves with the host's state between phases, by more
-    than the limit at times, so a slowdown counts only if it is gone once the GPU is idle
-    again: the reference is then re-timed alone and must be faster than next to the candidate (a
-    GPU that never gets idle is the candidate's doing: other jobs wait while this one holds it)."""
-    r = j.ref
-    if not r.cuda or j.out.ref_ms <= _slowed_limit(j, r.ref_alone_ms):
+def _check_reference_slowed(j: Judge, ref_ms: list[float]) -> None:
+    """Something the candidate leaves behind its calls slows the reference it is compared to. The
+    reference calls of odd pairs (C R) directly follow a candidate call, those of even pairs (R C)
+    follow the previous pair's reference call: both are measured in one loop, under the same host
+    state, so a launch-bound reference's own drift between phases (up to 1.8x against its time
+    alone before the candidate existed) cannot make an honest candidate look guilty, while what a
+    candidate's call leaves behind shows in the first kind only. GPU work that outlives a reply is
+    caught after every call (`_check_left_idle`)."""
+    after_candidate, after_reference = ref_ms[1::2], ref_ms[2::2]
+    if not j.ref.cuda or not after_candidate or not after_reference:
         return
-    idle = r.gpu is None or _wait_idle(r)
-    again = _reference_alone_ms(r)
-    j.details["ref_ms_retimed"] = again
-    if not idle or j.out.ref_ms > _slowed_limit(j, again):
-        j.hack("reference_slowed", f"the reference took {j.out.ref_ms:.4f} ms next to the candidate vs "
-                                   f"{r.ref_alone_ms:.4f} ms before the candidate existed and {again:.4f} ms "
-                                   "alone once the GPU was idle again")
-
-
-def _slowed_limit(j: Judge, alone_ms: float) -> float:
-    return j.cfg.ref_slowdown_limit * alone_ms + j.cfg.side_stream_slack_ms
+    slowed, base = median(after_candidate), median(after_reference)
+    if slowed > j.cfg.ref_slowdown_limit * base + j.cfg.side_stream_slack_ms:
+        j.hack("reference_slowed", f"the reference took {slowed:.4f} ms right after the candidate's calls vs "
+                                   f"{base:.4f} ms right after its own")
 
 
 def _roofline(j: Judge, cand_ms: float) -> float:
@@ -1556,33 +1557,35 @@ def check_needed(j: Judge, signed: bool) -> None:
     counterfactual changed it is a decoy (a kernel a call did not launch says nothing about itself).
     A kernel whose counterfactual stays right is asked again on other draws: on some, an honest
     kernel's perturbation does not show (an argmax of a few elements, a short label tensor rolled
-    onto itself)."""
+    onto itself). A call that fails is asked again too, and one failing on every draw shows no
+    need: the candidate can make its own calls fail (an argument the perturbation cannot copy, a
+    check of its own), and rolled or rescaled data keeps an honest kernel's indices in range."""
     if not j.cfg.require_triton:
         return
     todo = j.flow.needed()
-    asked, needed, right_once = set(todo), False, False
+    asked, needed, answered = set(todo), False, False
     while todo:
         name = todo.pop(0)
         right, launched = _right_without(j, name, signed)
         for _ in range(_DRAWS_AGAIN):
-            if not (right and name in launched):
+            if right is False and name in launched:
                 break
             right, launched = _right_without(j, name, signed)
         if right and not launched:
             j.hack("no_triton_kernel", "a checked call launched no Triton kernel of the candidate's source "
                                        "over a non-empty grid and was right")
-        if right is None or (name in launched and not right):
+        if right is False and name in launched:
             needed = True
-            j.flow.moved.add(name)  # failing on perturbed data is asked again unwatched
-        elif name in launched:
+            j.flow.moved.add(name)  # what changed the output watched is asked again unwatched
+        elif right is None or name in launched:
             j.flow.unneeded.add(name)
-        right_once |= bool(right)
+        answered |= right is not False
         todo += sorted(launched - asked)
         asked |= launched
     j.details["unneeded_kernels"] = sorted(j.flow.unneeded)
-    if right_once and not needed and _output_depends_on_inputs(j.ref):
-        j.hack("decoy_kernel", f"the output is still correct when what the candidate's kernels "
-                               f"({', '.join(sorted(asked))[:200]}) read is perturbed")
+    if answered and not needed and _output_depends_on_inputs(j.ref):
+        j.hack("decoy_kernel", f"the output is still correct, or the call fails, when what the candidate's "
+                               f"kernels ({', '.join(sorted(asked))[:200]}) read is perturbed")
 
 
 _DRAWS_AGAIN = 2

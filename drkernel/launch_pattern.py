@@ -16,6 +16,7 @@ change).
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 type_name = type.__dict__["__qualname__"].__get__  # a class's name from type's own slot: no metaclass property answers
@@ -32,21 +33,33 @@ def describe(launches: list[tuple[str, tuple, dict]], key, input_keys: list[int]
     roles.update({k: f"out{i}" for i, k in enumerate(output_keys)})
     out = []
     for name, grid, args in launches[:MAX_LAUNCHES]:
-        out.append([f"{name}{tuple(grid)}", *(_arg(p, v, key, roles, (torch.Tensor, torch.nn.Parameter))
-                                              for p, v in args.items())])
+        out.append([f"{name}{tuple(grid)}", *(item for p, v in args.items()
+                                              for item in _arg(p, v, key, roles, (torch.Tensor, torch.nn.Parameter)))])
     if len(launches) > MAX_LAUNCHES:
         out.append([f"... {len(launches)} launches"])
     return out
 
 
-def _arg(param: str, v: Any, key, roles: dict, tensors: tuple[type, ...]) -> str:
+def _arg(param: str, v: Any, key, roles: dict, tensors: tuple[type, ...]) -> list[str]:
+    """One argument's entries; a tuple (Triton passes tuples of arguments through) gives one per
+    element, a `constexpr` its value: a scalar inside either is a scalar like any other."""
     # strings, not nested lists: a pattern is built for every call and strings cost the collector nothing.
-    # Exact types only: a subclass's own `__repr__` or `stride` would describe it as it likes
+    # Exact types only: a subclass's own `__repr__`, `stride` or `__iter__` would describe it as it likes
     if type(v) in tensors:
-        return f"{param}=T:{v.dtype}:{tuple(v.shape)}:{v.stride()}:{roles.get(key(v), 'own')}"
+        return [f"{param}=T:{v.dtype}:{tuple(v.shape)}:{v.stride()}:{roles.get(key(v), 'own')}"]
     if type(v) in SCALAR_TYPES:
-        return f"{param}=S:{v!r}"
-    return f"{param}=O:{type_name(type(v))}"
+        return [f"{param}=S:{v!r}"]
+    if issubclass(type(v), tuple):
+        return [item for i, x in enumerate(tuple.__iter__(v)) for item in _arg(f"{param}.{i}", x, key, roles, tensors)]
+    if type(v) is _constexpr():
+        return _arg(f"{param}.value", vars(v).get("value"), key, roles, tensors)
+    return [f"{param}=O:{type_name(type(v))}"]
+
+
+def _constexpr() -> type | None:
+    """Triton's `constexpr` class, where Triton is loaded (the runner's launches are Triton's)."""
+    language = sys.modules.get("triton.language")
+    return getattr(language, "constexpr", None) if language is not None else None
 
 
 def split(sig: Any) -> tuple[tuple, tuple[str, ...]]:
@@ -106,4 +119,21 @@ class Patterns:
         known = self.seen.get(shape)
         if not known or shape != (self.steady or shape):
             return False
-        return all(len({s[i] for s in known}) > 1 or known[0][i] == v for i, v in enumerate(scalars))
+        varied = self._varied(shape)
+        return all(i in varied or known[0][i] == v for i, v in enumerate(scalars))
+
+    def same_launches(self, sig: Any, other: Any) -> bool:
+        """Whether two calls on the same inputs launched alike: the same launches, with the same
+        scalars but those that differed between the checked calls of that pattern (a per-call seed).
+        A malformed pattern is like none."""
+        try:
+            (shape, scalars), (shape_b, scalars_b) = split(sig), split(other)
+        except ValueError:
+            return False
+        varied = self._varied(shape)
+        return shape == shape_b and all(i in varied or a == b for i, (a, b) in enumerate(zip(scalars, scalars_b)))
+
+    def _varied(self, shape: tuple) -> set[int]:
+        """The positions of the scalars that differed between the checked calls of `shape`."""
+        known = self.seen.get(shape, [])
+        return {i for i in range(len(known[0]) if known else 0) if len({s[i] for s in known}) > 1}

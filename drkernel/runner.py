@@ -104,10 +104,11 @@ class ArgumentTypes:
 _WRAPPER_FIELDS = {"base", "dtype", "data", "device", "shape"}  # what Triton's TensorWrapper sets
 
 
-def unwrapped(v: Any, wrapper: type | None) -> Any:
-    """`v`, or the tensor it views where it is a `triton.reinterpret` view: what a kernel reads and
-    writes through it is that tensor's storage."""
-    return v.base if wrapper is not None and type(v) is wrapper else v
+def unwrapped(v: Any, types: ArgumentTypes) -> Any:
+    """`v`, or the tensor it stands for where it is a `triton.reinterpret` view or a host-side
+    tensor descriptor: what a kernel reads and writes through either is that tensor's storage."""
+    cls = type(v)
+    return v.base if (types.wrapper is not None and cls is types.wrapper) or cls in types.descriptors else v
 
 
 def _shadows(t) -> bool:
@@ -215,7 +216,7 @@ class LaunchRecorder:
         name = kernel.fn.__code__.co_name
         if (self.flow is not None or name in self.perturb) and (found := self._window_problem()):
             self._refuse(name, *found)
-        tensors = {p: unwrapped(v, self.argument_types.wrapper) for p, v in bound.items()}
+        tensors = {p: unwrapped(v, self.argument_types) for p, v in bound.items()}
         released = self.guard.pin()  # what it drops goes once this launch is recorded, never inside it
         collecting = gc.isenabled()
         gc.disable()  # no finalizer of the candidate's between the checksums and the launch
@@ -272,7 +273,7 @@ class LaunchRecorder:
                 return f"argument {param} is a {foreign}: not a tensor, number, string, dtype or Triton's own"
             # a GPU kernel can read pinned host memory: torch on the CPU would then do the work,
             # beside device kernels that only copy, and the device's trace would show only those
-            elsewhere = {t.device.type for t in compare.tensors(unwrapped(v, self.argument_types.wrapper))} \
+            elsewhere = {t.device.type for t in compare.tensors(unwrapped(v, self.argument_types))} \
                 - {self.device_type}
             if elsewhere:
                 return f"argument {param} is a tensor on {', '.join(sorted(elsewhere))}, not on the run's {self.device_type}"

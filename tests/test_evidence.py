@@ -543,6 +543,9 @@ def test_launch_patterns_are_learnt_from_checked_calls_and_required_of_the_other
     assert not p.allows(sig(out="own"))  # the kernel wrote a buffer that is not the output
     assert not p.allows([])  # no launch at all
     assert not p.allows(sig(grid="(64,)"))  # the first call's own pattern: never checked again
+    assert p.same_launches(sig(seed="S:7"), sig(seed="S:8"))  # two calls on the same inputs; a seed may differ
+    assert not p.same_launches(sig(n="S:0"), sig())  # a scalar no checked call changed
+    assert not p.same_launches(sig(out="own"), sig()) and not p.same_launches(None, sig())
     with pytest.raises(ValueError):
         p.allows([["k(4,)", 5]])
     only = launch_pattern.Patterns()
@@ -561,6 +564,19 @@ def test_a_launch_pattern_describes_arguments_by_their_exact_type():
     (described,) = launch_pattern.describe([("k", (4,), {"n": Shown(0), "m": 4096, "w": weight})], id, [], [])
     assert described == ["k(4,)", "n=O:test_a_launch_pattern_describes_arguments_by_their_exact_type.<locals>.Shown",
                          "m=S:4096", "w=T:torch.float32:(2, 3):(3, 1):own"]
+
+
+def test_scalars_inside_tuples_and_constexprs_are_part_of_the_pattern():
+    """Triton passes tuples of arguments through; a length hidden in `(n,)` or a `constexpr` is a
+    scalar like any other: `(0,)` in the timed calls (every lane masked off) is another pattern."""
+    import triton.language as tl
+
+    from drkernel import launch_pattern
+    (described,) = launch_pattern.describe([("k", (4,), {"n": (4096, (2, "a")), "B": tl.constexpr(64)})], id, [], [])
+    assert described == ["k(4,)", "n.0=S:4096", "n.1.0=S:2", "n.1.1=S:'a'", "B.value=S:64"]
+    checked, timed = (launch_pattern.describe([("k", (4,), {"n": (n,)})], id, [], []) for n in (4096, 0))
+    p = launch_pattern.Patterns()
+    assert p.learn(checked) and p.learn(checked) and not p.allows(timed)
 
 
 def test_launch_arguments_are_of_exact_known_types_all_the_way_down():

@@ -272,17 +272,18 @@ def test_the_unwatched_counterfactual_pair_runs_with_no_timed_call_held(monkeypa
     assert alive_at_probe == [0, 0, 0, 0]
 
 
-@pytest.mark.parametrize("unwatched, watched, needed, flagged", [
-    ("right", "right", True, False),  # an honest kernel whose perturbation this draw does not show
-    ("wrong", "wrong", True, False),  # an honest kernel: the perturbation shows alike in both
-    ("wrong", "fails", True, False),  # perturbed data may make an honest kernel fail
-    ("right", "wrong", True, True),  # torch answers unwatched, the kernel when watched
-    ("right", "fails", True, True),
-    ("wrong", "wrong elsewhere", True, True),  # the kernel's work reaches a sliver of the output unwatched
-    ("right", "right", False, True),  # an idle launch beside torch: right in both, nothing changed
+@pytest.mark.parametrize("unwatched, watched, needed, flagged, launches", [
+    ("right", "right", True, False, "k(4,)"),  # an honest kernel whose perturbation this draw does not show
+    ("wrong", "wrong", True, False, "k(4,)"),  # an honest kernel: the perturbation shows alike in both
+    ("wrong", "fails", True, False, "k(4,)"),  # perturbed data may make an honest kernel fail
+    ("right", "wrong", True, True, "k(4,)"),  # torch answers unwatched, the kernel when watched
+    ("right", "fails", True, True, "k(4,)"),
+    ("wrong", "wrong elsewhere", True, True, "k(4,)"),  # the kernel's work reaches a sliver of the output unwatched
+    ("right", "right", False, True, "k(4,)"),  # an idle launch beside torch: right in both, nothing changed
+    ("right", "right", True, True, "k(8,)"),  # a repeated input known: launched otherwise where checked
 ])
 def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_inputs_disagrees(
-        monkeypatch, unwatched, watched, needed, flagged):
+        monkeypatch, unwatched, watched, needed, flagged, launches):
     """The pair among the timed calls perturbs a kernel whose checked counterfactual moved the
     output; a checked call on the same inputs and perturbation follows. A kernel that does its work
     in every call answers both alike (and, where right, its launches changed the output); one that
@@ -290,7 +291,7 @@ def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_
     checked one tracks what each launch changed."""
     import types
 
-    from drkernel import compare, judge
+    from drkernel import compare, judge, launch_pattern
     asked = []
 
     def candidate(j, seed, mode, signed=False, keep=False, perturb=(), changes=False):
@@ -298,7 +299,8 @@ def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_
         out = unwatched if mode == "time" else watched
         if out == "fails":
             raise judge.Stop("runtime_error", "raised on perturbed data")
-        return judge.Call(reply={"kernels": ["k"], "flow": {}}, wall_ms=1.0, inputs=[], seed=seed, output=out)
+        return judge.Call(reply={"kernels": ["k"], "flow": {}}, wall_ms=1.0, inputs=[], seed=seed, output=out,
+                          pattern=[["k(4,)" if mode == "time" else launches, "n=S:4"]])
 
     monkeypatch.setattr(judge, "call", lambda *a, **k: judge.Call(reply={}, wall_ms=1.0, inputs=[], seed=0,
                                                                   output="ref"))
@@ -309,27 +311,50 @@ def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_
     monkeypatch.setattr(compare, "compare", lambda out, ref, cfg, **kw: compare.Match(
         out == "right" if ref == "ref" else out == ref, ""))
     hacks = []
-    j = types.SimpleNamespace(ref=types.SimpleNamespace(twin=None), cfg=None,
+    j = types.SimpleNamespace(ref=types.SimpleNamespace(twin=None), cfg=None, patterns=launch_pattern.Patterns(),
                               hack=lambda code, detail, stop=True: hacks.append(code))
     judge._unwatched_counterfactual(j, "k", "the pair")
     assert hacks == (["decoy_kernel"] if flagged else [])
     assert asked == [("time", False, False), ("check", False, True)]
 
 
-def test_a_counterfactual_that_stays_right_is_asked_again_on_other_draws(monkeypatch):
-    """An honest kernel's perturbation may not show on one draw (an argmax over a few elements
-    keeps its index half the time); it shows on the next, and the kernel is needed, no decoy."""
+@pytest.mark.parametrize("answers, flagged, needed", [
+    ([True, False], False, True),  # right on one draw (an argmax of a few elements), wrong on the next
+    ([None, None, None], True, False),  # fails on every draw: no need shown, the only kernel a decoy
+    ([None, False], False, True),  # failed once, then the perturbation showed: needed
+    ([True, None, True], True, False),
+])
+def test_a_counterfactual_that_stays_right_or_fails_is_asked_again(monkeypatch, answers, flagged, needed):
+    """An honest kernel's perturbation may not show on one draw; it shows on the next, and the
+    kernel is needed. A candidate can make its own perturbed calls fail (an argument of a dtype the
+    perturbation cannot copy, a check of its own): such a call is asked again too, and failing on
+    every draw is no evidence that the kernel's work reaches the output."""
     import types
 
     from drkernel import judge
-    answers = iter([(True, {"k"}), (False, {"k"})])
+    answers = iter([(a, {"k"}) for a in answers])
     monkeypatch.setattr(judge, "_right_without", lambda j, name, signed: next(answers))
     monkeypatch.setattr(judge, "_output_depends_on_inputs", lambda r: True)
     hacks = []
     j = types.SimpleNamespace(cfg=types.SimpleNamespace(require_triton=True), flow=judge.Flow(calls=[[("k", True)]]),
                               details={}, ref=None, hack=lambda code, detail, stop=True: hacks.append(code))
     judge.check_needed(j, signed=False)
-    assert hacks == [] and j.flow.unneeded == set() and j.flow.moved == {"k"}
+    assert hacks == (["decoy_kernel"] if flagged else []) and (j.flow.moved == {"k"}) is needed
+    assert (j.flow.unneeded == {"k"}) is not needed
+
+
+def test_every_dtype_is_perturbed():
+    """Dtypes torch has no roll or scaling for (sub-byte, 8-bit floats, unsigned wide ints) have
+    their bytes rolled: none reaches a counterfactual launch unperturbed, and each is put back."""
+    import torch
+
+    from drkernel import counterfactual
+    for dtype in (torch.uint4, torch.int3, torch.float8_e4m3fn, torch.uint32, torch.complex64, torch.float32):
+        raw = torch.arange(64, dtype=torch.uint8).view(dtype) if dtype.itemsize == 1 else torch.arange(16).to(dtype)
+        before = raw.view(torch.uint8).clone()
+        with counterfactual.perturbed({"t": raw}, None):
+            assert not torch.equal(raw.view(torch.uint8), before), dtype
+        assert torch.equal(raw.view(torch.uint8), before), dtype
 
 
 def test_inputs_past_the_file_size_limit_are_the_references_failure(monkeypatch):
