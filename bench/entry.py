@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from drkernel.config import COUNT, ConfigError, output_problem
+from drkernel.config import COUNT, FRACTION, NON_NEGATIVE, ConfigError, Limit, output_problem
 from drkernel.evaluator import DeviceError
 from drkernel.tasks import TaskError
 
@@ -30,13 +30,27 @@ def check_outputs(*outputs: tuple[str, str | Path | None, bool]) -> None:
 
 def count(text: str) -> int:
     """An argparse type: a whole number of at least 1 (a batch, a length, a number of steps or repeats)."""
+    return _checked(text, int, COUNT)
+
+
+def whole(text: str) -> int:
+    """An argparse type: a whole number of at least 0 (a number of problems to skip or keep, 0: none or all)."""
+    return _checked(text, int, NON_NEGATIVE)
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1] (a tolerance)."""
+    return _checked(text, float, FRACTION)
+
+
+def _checked(text: str, kind: type, limit: Limit) -> Any:
     import argparse
 
     try:
-        value = int(text)
+        value = kind(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if problem := COUNT.problem("", value):
+        raise argparse.ArgumentTypeError(f"not a {'whole number' if kind is int else 'number'}: {text!r}") from None
+    if problem := limit.problem("", value):
         raise argparse.ArgumentTypeError(problem.strip())
     return value
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.candidates import headers  # noqa: E402
-from bench.entry import check_outputs, exit_status  # noqa: E402
+from bench.entry import check_outputs, exit_status, fraction  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.evaluator import EvalConfig, EvalResult, Evaluator, resolve_device  # noqa: E402
 from drkernel.tasks import BUNDLED_DIR, load_kernelbench  # noqa: E402
@@ -70,7 +70,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kernelbench", default="../shared/kernelbench")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--tolerance", type=float, default=0.03)
+    ap.add_argument("--tolerance", type=fraction, default=0.03)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "neighbours.json"))
     args = ap.parse_args()
     check_outputs(("--out", args.out, False))

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.entry import check_outputs, exit_status  # noqa: E402
+from bench.entry import check_outputs, exit_status, whole  # noqa: E402
 from bench.evaluator import reference_as_candidate  # noqa: E402
 from bench.jsonfile import save_json  # noqa: E402
 from drkernel.config import int_list  # noqa: E402
@@ -114,8 +114,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernelbench", default="../shared/kernelbench")
     ap.add_argument("--levels", default="1,2,3", help="levels whose every problem runs once; none: only the repeats")
-    ap.add_argument("--limit", type=int, default=0, help="at most this many problems per level (0: all)")
-    ap.add_argument("--skip", type=int, default=0, help="leave out each level's first this many problems "
+    ap.add_argument("--limit", type=whole, default=0, help="at most this many problems per level (0: all)")
+    ap.add_argument("--skip", type=whole, default=0, help="leave out each level's first this many problems "
                     "(to go on from a run cut short, whose JSON says how far it came)")
     ap.add_argument("--repeat", default=",".join(LAUNCH_BOUND), help="name substrings of problems to repeat")
     ap.add_argument("--repeats", type=int, default=20)

@@ -87,6 +87,8 @@ def _scalar(value: Any, tp: Any) -> Any:
 def coerce(value: Any, tp: Any, key: str = "?") -> Any:
     """Convert a YAML or command-line value to the field's declared type."""
     tp, optional = _unwrap_optional(tp)
+    if value is None and not optional and tp in (bool, int, float, str):  # a YAML `null`: never a path or a number
+        raise ConfigError(f"{key} must be {tp.__name__}, got None")
     if value is None or (optional and isinstance(value, str) and value.lower() in {"none", "null", ""}):
         if optional or value is None:
             return None
@@ -538,7 +540,7 @@ def comma_items(text: str | None) -> list[str]:
     return [v.strip() for v in str(text or "").split(",") if v.strip()]
 
 
-COUNT = Limit(1)
+COUNT = Limit(1, 10**6, why="more is a typo: a run that large would not finish")
 NON_NEGATIVE = Limit(0)
 POSITIVE = Limit(0, low_open=True)
 FINITE = Limit()

@@ -785,6 +785,8 @@ def _parse(argv: list[str]) -> _Command:
     for flag, path in (("--reference", a.reference), ("--candidate", a.candidate)):
         if not os.path.isfile(path):
             p.error(f"{flag}: {_not_a_file(path)}")
+        if not os.access(path, os.R_OK):
+            p.error(f"{flag}: cannot read {path} (permission denied)")
     if problem := cache_dir_problem("--cache_dir", a.cache_dir):
         p.error(problem)
     cfg = EvalConfig(**{opt.name: getattr(a, opt.name) for opt in _OPTIONS})

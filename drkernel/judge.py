@@ -1568,7 +1568,7 @@ def check_needed(j: Judge, signed: bool) -> None:
         name = todo.pop(0)
         right, launched = _right_without(j, name, signed)
         for _ in range(_DRAWS_AGAIN):
-            if right is False and name in launched:
+            if not (right is None or (right and name in launched)):
                 break
             right, launched = _right_without(j, name, signed)
         if right and not launched:

@@ -1118,7 +1118,7 @@ class TrainConfig(RunConfig, TaskSelection):
     # beside RunConfig's limits and those of the mirrored library settings
     LIMITS = {
         "tasks_per_step": COUNT,
-        "num_generations": Limit(2, why="a group needs another member for its baseline"),
+        "num_generations": Limit(2, COUNT.high, why="a group needs another member for its baseline"),
         "num_turns": COUNT, "max_prompt_tokens": COUNT,
         "temperature": Limit(0, low_open=True, why="RL samples; at 0 every answer of a group would be alike"),
         "eval_workers": WORKERS, "correct_weight": NON_NEGATIVE, "speedup_weight": NON_NEGATIVE,

@@ -157,8 +157,8 @@ def _bad_vocab(tmp_path, name: str, text: str) -> str:
 @pytest.mark.parametrize("args, message", [
     (["--device", "gpu"], "bad --device 'gpu': use auto, cpu, cuda or cuda:N"),
     (["--layers", "-1"], "--layers must be >= 0, got -1"),
-    (["--num-tasks", "0"], "tasks_per_step must be >= 1, got 0"),
-    (["--steps", "0"], "max_steps must be >= 1, got 0"),
+    (["--num-tasks", "0"], "tasks_per_step must be in [1, 1e+06], got 0"),
+    (["--steps", "0"], "max_steps must be in [1, 1e+06], got 0"),
     (["--levels", "x"], "levels must be a comma list of integers, not 'x'"),
     (["--", "--no_such_key", "1"], "unknown option(s) --no_such_key"),
     (["--vocab-file", "{tmp}/missing.tiktoken"], "missing.tiktoken: not a file"),

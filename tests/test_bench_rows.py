@@ -246,9 +246,9 @@ def test_eval_throughput_with_bad_counts_is_one_line(args, says, tmp_path, monke
 
 @pytest.mark.parametrize("script, args, says", [
     ("rollout.py", ["--device", "cpu", "--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
-    ("rollout.py", ["--device", "cpu", "--batch", "-1"], "argument --batch: must be >= 1, got -1"),
-    ("evaluator.py", ["--device", "cpu", "--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
-    ("sft.py", ["--tiny", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    ("rollout.py", ["--device", "cpu", "--batch", "-1"], "argument --batch: must be in [1, 1e+06], got -1"),
+    ("evaluator.py", ["--device", "cpu", "--repeats", "0"], "argument --repeats: must be in [1, 1e+06], got 0"),
+    ("sft.py", ["--tiny", "--steps", "0"], "argument --steps: must be in [1, 1e+06], got 0"),
     ("update.py", ["--tiny", "--batch", "x"], "argument --batch: not a whole number: 'x'"),
     ("update.py", ["--tiny", "--variants", "mb=x"], "bad variant part 'mb=x' in 'mb=x': the value must be an integer"),
     pytest.param("eval_throughput.py", ["--device", "cpu", "--shrink", "--baseline", "{}"], "not a JSON of this script",

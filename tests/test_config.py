@@ -272,6 +272,20 @@ def test_a_path_the_system_refuses_to_look_at_is_one_line(tmp_path):
                   None, "train.py")
 
 
+def test_a_null_for_a_setting_that_is_not_optional_is_refused():
+    """`output_dir: null` in a YAML file is refused where it is read, before any path is made of it."""
+    with pytest.raises(ConfigError, match="output_dir must be str, got None"):
+        coerce(None, str, "output_dir")
+    assert coerce(None, typing.Optional[int], "seed") is None
+
+
+def test_a_count_past_any_real_run_is_refused():
+    """A mistyped count (1e11 samples) is refused at once; it used to hang building its work."""
+    from drkernel.config import COUNT
+    assert COUNT.problem("samples_per_task", 10**6) is None
+    assert "samples_per_task must be in [1, 1e+06]" in COUNT.problem("samples_per_task", 10**11)
+
+
 def test_a_key_given_twice_in_a_config_file_is_refused_at_any_depth(tmp_path):
     # YAML keeps the last of two values silently: one of the user's two settings would be dropped
     path = tmp_path / "run.yaml"

@@ -145,6 +145,14 @@ def test_missing_file_is_a_usage_error(fake, tmp_path, capsys):
     assert fake.configs == []
 
 
+def test_an_unreadable_file_is_a_usage_error(fake, capsys, monkeypatch):
+    """A file this user may not read is the caller's mistake, not the candidate's `runtime_error`
+    (root reads every file, so the permission is what `os.access` says here)."""
+    monkeypatch.setattr(os, "access", lambda path, mode: path != str(REFERENCE))
+    assert evaluator.main([*FILES, "--device", "cpu", "--json"]) == 2
+    assert "cannot read" in last_json(capsys.readouterr().out)["error"] and fake.configs == []
+
+
 def test_usage_error_without_json_prints_nothing_on_stdout(fake, capsys):
     assert evaluator.main([*FILES, "--trials", "0"]) == 2
     captured = capsys.readouterr()

@@ -158,7 +158,7 @@ def _usage_error(capsys, argv, status=2) -> str:
 
 
 def test_bad_config_is_a_clear_error(capsys):
-    for argv, msg in ((["--samples_per_task", "0"], "samples_per_task must be >= 1"),
+    for argv, msg in ((["--samples_per_task", "0"], "samples_per_task must be in [1, 1e+06]"),
                       (["--stts_window", "-1"], "stts_window must be >= 0"),
                       (["--api_base_url", "http://127.0.0.1:9/v1"], "--api_base_url needs --api_model"),
                       (["--api_base_url", "localhost:9", "--api_model", "m", "--device", "cpu"], "http://"),
