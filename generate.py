@@ -494,6 +494,7 @@ class Resumed:
     unfinished: int = 0  # other rows of incomplete rounds
     duplicates: int = 0  # earlier rows of a (task, sample, turn) written again
     backup: Path | None = None  # the old file, copied aside when unusable lines were dropped
+    rounds: int = 0  # STTS rounds the kept rows reach
 
     @property
     def dropped(self) -> int:
@@ -550,6 +551,7 @@ def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str, tasks: Sequen
     kept = _complete_rounds(latest, plan)
     failed = sum(map(is_failure, latest))
     res = Resumed(kept, skipped, failed, len(latest) - len(kept) - failed, len(good) - len(latest))
+    res.rounds = max([r["iteration"] + 1 for r in kept], default=0)
     if skipped:  # a line that is no usable row may be something else than a cut one: kept aside
         res.backup = rewrite_keeping_backup(path, kept)
     elif res.dropped:
@@ -557,8 +559,9 @@ def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str, tasks: Sequen
     return res
 
 
-def report_resumed(path: Path, res: Resumed) -> None:
-    """One stderr line per kind of dropped row, and what is kept."""
+def report_resumed(path: Path, res: Resumed, rounds: int) -> None:
+    """One stderr line per kind of dropped row, what is kept, and kept rounds past the `rounds` asked
+    for (they stay in the file; the summary counts only the rounds asked for)."""
     say = f"[generate] {path}:"
     if res.skipped:
         print(f"{say} skipped {len(res.skipped)} unusable line(s) (a killed run leaves its last line cut): "
@@ -573,6 +576,9 @@ def report_resumed(path: Path, res: Resumed) -> None:
     if res.rows:
         print(f"{say} resuming: {len({(*_unit(r), r['iteration']) for r in res.rows})} (task, sample, round) "
               f"unit(s) already done", file=sys.stderr)
+    if res.rounds > rounds:
+        print(f"{say} holds {res.rounds} STTS rounds, this run asks for {rounds} (--stts_iterations): the "
+              f"summary counts the first {rounds}; the later rows stay in the file", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------------------
@@ -643,7 +649,7 @@ def _previous_rows(out: Path, cfg: GenerateConfig, policy: Policy, tasks: Sequen
     if not out.exists():
         return []
     res = resume_rows(out, cfg, policy.name, tasks)
-    report_resumed(out, res)
+    report_resumed(out, res, cfg.stts_iterations)
     if res.dropped:
         _restate_summary(cfg, tasks, res.rows)
     return res.rows

@@ -63,7 +63,7 @@ import traceback
 from typing import Any
 
 from drkernel import compare, dataflow, ipc, launch_pattern, procfs, profiling, triton_source
-from drkernel.channel import Channel, Hacked, Stop, exception_text, runner_error, short
+from drkernel.channel import Channel, Hacked, Stop, cuda_fault, exception_text, runner_error, short
 from drkernel.evaltypes import HACK_CODES, EvalConfig, EvalResult, config_from_dict
 
 _perf = time.perf_counter
@@ -1294,22 +1294,37 @@ def _unwatched_counterfactual(j: Judge, kernel: str, label: str) -> None:
     pair from the timed calls before its launches, and a kernel that does its work in every call
     answers both alike: an output that differs between them, or one right in both where no launch
     of the candidate's changed the output, comes from work done elsewhere in the calls the
-    candidate guessed nobody checks (the data-flow log's cost, a call count, a core: any sign)."""
-    seed = fresh_seed()
-    ref = call(j.ref, j.ref.twin, seed, "time", keep=True).output
-    try:
-        c = call_candidate(j, seed, "time", keep=True, perturb=(kernel,))
-    except Stop:
-        return  # perturbed data may make an honest kernel fail
-    _check_left_idle(j, label)
-    if kernel not in _own_kernels(j, c.reply.get("kernels")):
+    candidate guessed nobody checks (the data-flow log's cost, a call count, a core: any sign).
+    After its launches a candidate can see that what they read was perturbed (a copy of its own
+    buffer that differs), and then raise: a pair whose forward raises is drawn again, and one that
+    raises on every draw, where the checked call on this kind of perturbation completed, is a decoy."""
+    for _ in range(1 + _DRAWS_AGAIN):
+        seed = fresh_seed()
+        ref = call(j.ref, j.ref.twin, seed, "time", keep=True).output
+        try:
+            c = call_candidate(j, seed, "time", keep=True, perturb=(kernel,))
+        except Stop as stop:
+            if not _raised(stop):
+                raise  # a crash, a timeout or a CUDA fault ends the job as it would anywhere
+            continue  # one draw of perturbed data may make an honest forward raise: another is asked
+        _check_left_idle(j, label)
+        if kernel not in _own_kernels(j, c.reply.get("kernels")):
+            return
+        unwatched, right, pattern = c.output, _right(j, c.output, ref, signed=False), c.pattern
+        c = ref = None  # their inputs and output go before the checked call's come
+        why = _watched_disagrees(j, kernel, seed, unwatched, right, pattern)
+        if why:
+            j.hack("decoy_kernel", f"{label}: with what {kernel} read perturbed, {why}: outside the checked calls "
+                                   "its work does not reach the output")
         return
-    unwatched, right, pattern = c.output, _right(j, c.output, ref, signed=False), c.pattern
-    c = ref = None  # their inputs and output go before the checked call's come
-    why = _watched_disagrees(j, kernel, seed, unwatched, right, pattern)
-    if why:
-        j.hack("decoy_kernel", f"{label}: with what {kernel} read perturbed, {why}: outside the checked calls its "
-                               "work does not reach the output")
+    j.hack("decoy_kernel", f"{label}: with what {kernel} read perturbed, a call like the timed ones raised on "
+                           f"{1 + _DRAWS_AGAIN} draws, where a checked call completed")
+
+
+def _raised(stop: Stop) -> bool:
+    """Whether a failed call was the forward raising in a runner that goes on (not a crash, a
+    timeout or a CUDA fault)."""
+    return stop.verdict == "runtime_error" and not cuda_fault(stop.error)
 
 
 def _watched_disagrees(j: Judge, kernel: str, seed: int, unwatched: Any, right: bool, pattern: Any) -> str:

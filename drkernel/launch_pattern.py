@@ -17,6 +17,7 @@ change).
 from __future__ import annotations
 
 import sys
+import types
 from typing import Any
 
 type_name = type.__dict__["__qualname__"].__get__  # a class's name from type's own slot: no metaclass property answers
@@ -42,17 +43,25 @@ def describe(launches: list[tuple[str, tuple, dict]], key, input_keys: list[int]
 
 def _arg(param: str, v: Any, key, roles: dict, tensors: tuple[type, ...]) -> list[str]:
     """One argument's entries; a tuple (Triton passes tuples of arguments through) gives one per
-    element, a `constexpr` its value: a scalar inside either is a scalar like any other."""
+    element, a `constexpr` its value: a scalar inside either is a scalar like any other. Every other
+    type a launch may take (`runner.ArgumentTypes`) is described by its value too, so that no
+    argument can switch a kernel's work between calls unseen: a dtype by its name, a jitted function
+    by its def, a numpy scalar as a scalar; a tensor by where in its storage it starts as well."""
     # strings, not nested lists: a pattern is built for every call and strings cost the collector nothing.
     # Exact types only: a subclass's own `__repr__`, `stride` or `__iter__` would describe it as it likes
     if type(v) in tensors:
-        return [f"{param}=T:{v.dtype}:{tuple(v.shape)}:{v.stride()}:{roles.get(key(v), 'own')}"]
-    if type(v) in SCALAR_TYPES:
+        return [f"{param}=T:{v.dtype}:{tuple(v.shape)}:{v.stride()}:{v.storage_offset()}:{roles.get(key(v), 'own')}"]
+    if type(v) in SCALAR_TYPES or type(v).__module__ == "numpy":
         return [f"{param}=S:{v!r}"]
     if issubclass(type(v), tuple):
         return [item for i, x in enumerate(tuple.__iter__(v)) for item in _arg(f"{param}.{i}", x, key, roles, tensors)]
     if type(v) is _constexpr():
         return _arg(f"{param}.value", vars(v).get("value"), key, roles, tensors)
+    code = getattr(getattr(v, "fn", None), "__code__", None)
+    if isinstance(code, types.CodeType):  # Triton's jitted function (a helper passed as a constexpr)
+        return [f"{param}=F:{code.co_name}:{code.co_firstlineno}"]
+    if type(v).__module__.partition(".")[0] in ("torch", "triton"):  # a dtype, a pointer type: by name
+        return [f"{param}=O:{type_name(type(v))}:{v}"]
     return [f"{param}=O:{type_name(type(v))}"]
 
 

@@ -150,18 +150,28 @@ def load_kernelbench(path_or_id: str = DEFAULT_HUB_ID, level: int = 1,
     else:
         try:
             rows = datasets.load_dataset(path_or_id, split=f"level_{level}")
-        except Exception as exc:  # a missing path, an unknown split, no network for a hub id
-            raise TaskError(f"cannot load KernelBench level_{level} from {path_or_id!r}: {exc}") from None
+        except Exception as exc:  # a missing path, an unknown split, no network for a hub id, a cut line
+            why = _bad_line(path_or_id, level) or exc  # `datasets` names no file for a line it cannot parse
+            raise TaskError(f"cannot load KernelBench level_{level} from {path_or_id!r}: {why}") from None
     return rows_to_tasks(rows, source=f"{path_or_id}:level_{level}", problem_ids=problem_ids)
 
 
 def _read_local_split(path: str, level: int) -> list[dict]:
     """The hub layout's JSONL files of one split, without `datasets` (local copies only)."""
-    from drkernel.jsonl import iter_jsonl
-
-    files = sorted(Path(path).glob(f"**/level_{level}-*.jsonl"))
+    files = _split_files(path, level)
     if not files:
         raise TaskError(f"`datasets` is not installed and {path} holds no level_{level}-*.jsonl files")
+    return _rows_of(files)
+
+
+def _split_files(path: str, level: int) -> list[Path]:
+    return sorted(Path(path).glob(f"**/level_{level}-*.jsonl"))
+
+
+def _rows_of(files: Sequence[Path]) -> list[dict]:
+    """Every row of `files`; TaskError at the first line that is no JSON object, named `file:line`."""
+    from drkernel.jsonl import iter_jsonl
+
     rows = []
     for f in files:
         for line in iter_jsonl(f):
@@ -169,6 +179,17 @@ def _read_local_split(path: str, level: int) -> list[dict]:
                 raise TaskError(f"{f}:{line.lineno}: {line.error}")
             rows.append(line.row)
     return rows
+
+
+def _bad_line(path: str, level: int) -> str | None:
+    """Where a local copy's level-N files hold a line that is no JSON object, that line (`_rows_of`)."""
+    try:
+        _rows_of(_split_files(path, level) if Path(path).is_dir() else [])
+    except TaskError as exc:
+        return str(exc)
+    except OSError:
+        return None
+    return None
 
 
 def rows_to_tasks(rows: Iterable[dict], source: str = "",

@@ -72,6 +72,7 @@ def test_pass_hands_the_cache_dir_to_an_evaluator_that_caches(monkeypatch, tmp_p
     assert p.hit_rate == 1.0 and p.workers == 3
 
 
+@pytest.mark.slow
 def test_cpu_run_with_the_cache(kernelbench_path, tmp_path, capsys):
     out = tmp_path / "et.json"
     result = et.main(["--device", "cpu", "--shrink", "--kernelbench", str(kernelbench_path), "--workers", "1",

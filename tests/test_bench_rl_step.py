@@ -41,6 +41,7 @@ def test_qwen25_tokenizer_ids_and_template(tokenizer):
     assert tokenizer.convert_tokens_to_ids("<|file_sep|>") == 151664
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not KERNELBENCH.is_dir(), reason="needs ../shared/kernelbench")
 def test_tiny_rl_step_without_datasets(tmp_path, monkeypatch, fresh_accelerate_state):
     monkeypatch.setitem(sys.modules, "datasets", None)  # the GPU box has no `datasets`
@@ -103,6 +104,7 @@ def test_replay_generator_answers_each_prompt_with_a_candidate_of_its_task(tiny_
         gen.task_of("a prompt about something else")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not KERNELBENCH.is_dir(), reason="needs ../shared/kernelbench")
 def test_tiny_replay_step_evaluates_real_candidates(tmp_path, monkeypatch, fresh_accelerate_state):
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")

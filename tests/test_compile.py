@@ -101,6 +101,7 @@ def test_inductor_cpp_is_scalar_for_the_whole_run():
     assert not pick_vec_isa()
 
 
+@pytest.mark.slow
 def test_inductor_compiled_update_matches_eager():
     """The real backend (inductor, C++ on CPU): same loss, entropy and gradients as eager."""
     samples = _samples([(8, 56), (8, 56)])  # the shapes of `bench/update.py --tiny`: its compile reuses these graphs
@@ -115,6 +116,7 @@ def test_inductor_compiled_update_matches_eager():
     _assert_same_update(eager, compiled)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["ckpt_every_2+chunks+2_iterations", "lora+kl"])
 def test_compiled_update_matches_eager_with_checkpointing_chunks_lora(case, aot_eager):
     lengths = [(5, 30), (9, 18), (3, 41)]  # ragged: padding, and a last head chunk of another size
@@ -191,6 +193,7 @@ def test_every_n_layers_checkpointing_and_bad_values():
 
 # ------------------------------------------------------------------ wiring: RL trainer and SFT
 
+@pytest.mark.slow
 def test_trainer_compiles_the_policy_not_its_reference_and_samples_eagerly(tiny_tokenizer, tmp_path, aot_eager):
     from torch._dynamo.utils import counters
 
@@ -231,6 +234,7 @@ def test_trainer_compiles_the_policy_not_its_reference_and_samples_eagerly(tiny_
     assert len(history) == 1 and math.isfinite(history[0]["loss"]) and history[0]["grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_sft_with_torch_compile_matches_eager(tiny_model_dir, tmp_path, aot_eager):
     data = tmp_path / "d.jsonl"
     rows = [{"messages": [{"role": "user", "content": f"write kernel {i}"},
@@ -253,6 +257,7 @@ def test_sft_with_torch_compile_matches_eager(tiny_model_dir, tmp_path, aot_eage
 
 # ------------------------------------------------------------------ the GPU benchmark's grid, on CPU
 
+@pytest.mark.slow
 def test_update_bench_compile_variants_on_cpu(tmp_path):
     """The benchmark's own compile path, with inductor."""
     spec = importlib.util.spec_from_file_location("bench_update", ROOT / "bench" / "update.py")

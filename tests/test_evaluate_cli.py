@@ -566,6 +566,7 @@ def _real_evaluator_usable():
     return os.environ.get("DRKERNEL_SKIP_E2E") != "1"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _real_evaluator_usable(), reason="drkernel.evaluator unavailable or DRKERNEL_SKIP_E2E=1")
 def test_ctrl_c_ends_with_one_line_and_keeps_the_finished_results(tmp_path):
     """Ctrl-C (SIGINT to the process group, as a terminal sends it) once the first result is saved:

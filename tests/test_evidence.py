@@ -563,7 +563,37 @@ def test_a_launch_pattern_describes_arguments_by_their_exact_type():
     weight = torch.nn.Parameter(torch.ones(2, 3))
     (described,) = launch_pattern.describe([("k", (4,), {"n": Shown(0), "m": 4096, "w": weight})], id, [], [])
     assert described == ["k(4,)", "n=O:test_a_launch_pattern_describes_arguments_by_their_exact_type.<locals>.Shown",
-                         "m=S:4096", "w=T:torch.float32:(2, 3):(3, 1):own"]
+                         "m=S:4096", "w=T:torch.float32:(2, 3):(3, 1):0:own"]
+
+
+def test_dtypes_jitted_helpers_numpy_scalars_and_offsets_are_described_by_value():
+    """A switch carried by any argument a launch may take is another pattern: `MODE=tl.float32`
+    (work) against `tl.int8` (skip), a helper that works against one that does nothing, a numpy
+    length, a view at another offset of the same buffer."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+
+    from drkernel import launch_pattern
+
+    def work():
+        pass
+
+    def idle():
+        pass
+
+    class Jitted:  # Triton's JITFunction keeps the def it wraps as `fn`
+        def __init__(self, fn):
+            self.fn = fn
+
+    buf = torch.zeros(8)
+    switches = [(tl.float32, tl.int8), (torch.float32, torch.int8), (Jitted(work), Jitted(idle)),
+                (np.int64(4), np.int64(0)), (buf[:4], buf[4:])]
+    for checked, timed in switches:
+        a, b = (launch_pattern.describe([("k", (4,), {"v": v})], id, [], []) for v in (checked, timed))
+        assert a != b, (checked, timed, a)
+        p = launch_pattern.Patterns()
+        assert p.learn(a) and p.learn(a) and not p.allows(b)
 
 
 def test_scalars_inside_tuples_and_constexprs_are_part_of_the_pattern():

@@ -646,6 +646,19 @@ def test_resume_with_another_stts_plan_names_the_option_that_differs(tmp_path, f
     assert _rows(out) == rows
 
 
+def test_resume_with_fewer_stts_rounds_says_the_summary_counts_only_those(tmp_path, fake_eval, counting_policy,
+                                                                         capsys):
+    out = tmp_path / "g.jsonl"
+    base = ["--problem_ids", "1", "--num_turns", "1", "--device", "cpu", "--output", str(out)]
+    generate.main(base + ["--stts_iterations", "3"])
+    rows = _rows(out)
+    capsys.readouterr()
+    summary = generate.main(base + ["--stts_iterations", "2"])
+    assert f"holds 3 STTS rounds, this run asks for 2 (--stts_iterations): the summary counts the first 2" \
+           in capsys.readouterr().err
+    assert [r["iteration"] for r in summary["stts"]] == [0, 1] and _rows(out) == rows
+
+
 class DownPolicy:
     """An endpoint that fails every request: the run stops (status 1)."""
 
@@ -787,6 +800,7 @@ def _scripted_policy(scripted):
                            api_policy.prompt_budget(8000), counts_tokens=False)
 
 
+@pytest.mark.slow
 def test_stts_end_to_end_with_real_evaluator(tmp_path, capsys):
     from drkernel.evaluator import EvalConfig, Evaluator
 

@@ -100,6 +100,7 @@ def test_ignore_eos_gives_full_length(model, tiny_tokenizer, prompts):
         assert all(len(o.response_ids) == 9 and not o.finished for o in outs)
 
 
+@pytest.mark.slow
 def test_bench_rollout_cpu_smoke(tmp_path):
     import importlib.util
     import json
@@ -201,6 +202,7 @@ def test_compiled_pick_matches_eager():
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_decode_step_compiles_few_graphs_over_many_shapes(model):
     """train.py's decode step meets many (batch, cache) sizes; dynamo must switch to dynamic sizes
     rather than add a graph per size (past its recompile limit it would silently run eagerly)."""

@@ -2,6 +2,8 @@
 reference timing and set of reference outputs) get the verdicts they get one at a time; a timing
 too noisy for the precision asked says so."""
 
+import pytest
+
 from drkernel.evaluator import Evaluator
 from tests.test_evaluator import EMBED, LEGIT_RELU, TASKS, cfg, relu_candidate, shared_evaluate, shared_evaluate_many
 
@@ -56,6 +58,7 @@ def test_a_noisy_timing_says_it_is_imprecise():
     assert r.speedup_precise is False and hi > 1.5 * lo, (r.speedup_interval, r.speedup)
 
 
+@pytest.mark.slow
 def test_the_compile_baseline_times_a_compiled_reference_and_says_so():
     """The twin compiles the reference once, before any timing; correctness is still judged
     against the eager reference, and the result records what its speedup is measured against."""
@@ -77,6 +80,7 @@ def test_the_speedup_pairs_each_timed_call_with_its_neighbour():
     assert judge.median(judge.pair_ratios([2 * d for d in drift], drift)) == 2.0
 
 
+@pytest.mark.slow
 def test_a_candidate_slow_to_build_leaves_the_next_ones_their_whole_time():
     """Each turn has the whole `timeout`, the twin's calls in it too: a candidate that spends most
     of its own time building does not run the group's twin out of time on the candidates after it."""

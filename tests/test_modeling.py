@@ -104,6 +104,7 @@ def test_warm_start_names_resolve_to_the_shipped_adapter():
     assert config["peft_type"] == "LORA" and size < 8 * 2**20
 
 
+@pytest.mark.slow
 def test_warm_start_adapter_learnt_the_bundled_conversations():
     """Teacher-forced loss on a bundled conversation's assistant tokens: the adapter must be far
     below the base model (it was trained on them; see drkernel/data/warmstart/build.py)."""

@@ -22,6 +22,7 @@ def _run(cmd, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_rank(tmp_path):
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     _run([sys.executable, str(SCRIPT), str(one)], tmp_path)

@@ -504,6 +504,7 @@ def test_speedup_direction_and_size(tmp_path, ref_s, cand_s, low, high):
     assert low <= r.speedup <= high, (r.speedup, r.ref_ms, r.candidate_ms)
 
 
+@pytest.mark.slow
 def test_evaluate_many_really_runs_workers_at_once():
     """Three candidates that each print their start time and sleep 2.5 s at import: with three
     workers the three starts fall within 2.5 s of each other (serially they would be at least

@@ -329,6 +329,7 @@ def test_handoff_full_weights_generate(full_run):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.slow
 def test_lora_sft_then_load_adapter(tmp_path, tiny_model_dir, tiny_tokenizer, small_dataset):
     from drkernel.modeling import load_model
 

@@ -193,6 +193,7 @@ def test_kernelbench_eval_builds_flat_dirs_without_datasets(kernelbench_path, tm
     assert argv[argv.index("--require_triton") + 1] == "false"
 
 
+@pytest.mark.slow
 def test_kernelbench_eval_cpu_smoke(kernelbench_path, tmp_path, capsys, monkeypatch):
     """End to end on CPU: shrunk ReLU through evaluate.py twice (Triton, then the reference as a
     torch-only candidate with --require_triton false), combined table and JSON; with $OUT set,
@@ -223,12 +224,21 @@ def test_kernelbench_eval_cpu_smoke(kernelbench_path, tmp_path, capsys, monkeypa
 LEGIT = sorted((ROOT / "tests" / "fixtures" / "legit").glob("*.py"))
 
 
+@pytest.fixture(scope="module")
+def legit_results(cpu_evaluator) -> dict:
+    """Every legit fixture judged in one `evaluate_many`, grouped by task as in training."""
+    from tests.test_hacks import _headers
+
+    results = cpu_evaluator.evaluate_many([(str(TASKS / _headers(p)["task"]), str(p)) for p in LEGIT])
+    return {p.name: r for p, r in zip(LEGIT, results)}
+
+
 @pytest.mark.parametrize("path", LEGIT, ids=lambda p: p.name)
-def test_legit_corpus_correct(path, cpu_evaluator):
+def test_legit_corpus_correct(path, legit_results):
     from tests.test_hacks import _headers
 
     h = _headers(path)
-    r = cpu_evaluator.evaluate(str(TASKS / h["task"]), str(path))
+    r = legit_results[path.name]
     assert r.verdict == h["expect"].split()[0] and not r.hacks, (r.verdict, r.hacks, r.error)
     assert not r.details.get("unneeded_kernels"), r.details  # every honest kernel's time counts as useful
     assert set(r.details["needed_fraction"].values()) == {1.0}, r.details["needed_fraction"]

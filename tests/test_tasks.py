@@ -26,6 +26,15 @@ def test_a_cut_line_of_a_local_split_is_named(tmp_path):
         _read_local_split(str(tmp_path), 1)
 
 
+def test_a_cut_line_read_through_datasets_is_named(tmp_path):
+    pytest.importorskip("datasets")
+    split = tmp_path / "data" / "level_1-00000.jsonl"
+    split.parent.mkdir()
+    split.write_text('{"code": "x", "level": 1, "problem_id": 1}\n{"code": "y", "lev\n')
+    with pytest.raises(TaskError, match=r"from '.*': .*level_1-00000.jsonl:2: not a JSON object"):
+        load_kernelbench(str(tmp_path), 1)
+
+
 def test_a_bench_script_with_a_bad_kernelbench_path_exits_2_with_one_line(tmp_path):
     out = subprocess.run([sys.executable, "bench/ref_self.py", "--kernelbench", str(tmp_path / "none"),
                           "--out", str(tmp_path / "r.json")], capture_output=True, text=True, cwd=ROOT, timeout=300)

@@ -71,6 +71,7 @@ def _safetensors(directory):
     return load_file(str(Path(directory) / "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_two_steps_with_real_evaluator_then_exact_resume(tiny_model_dir, tmp_path, monkeypatch):
     tasks = load_bundled([1, 2])
     # CPU wall-clock timings are noise, and the turn-2 feedback quotes them: keep the real
@@ -453,6 +454,7 @@ def test_ctrl_c_in_train_py_is_one_line_and_status_130(monkeypatch, capsys):
         "--resume_from auto continues"]
 
 
+@pytest.mark.slow
 def test_update_bench_runs_on_cpu(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_update", ROOT / "bench" / "update.py")
     bench = importlib.util.module_from_spec(spec)
