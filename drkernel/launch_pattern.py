@@ -22,7 +22,9 @@ from typing import Any
 
 type_name = type.__dict__["__qualname__"].__get__  # a class's name from type's own slot: no metaclass property answers
 SCALAR_TYPES = (bool, int, float, str, type(None))  # exact types: a subclass may carry methods of its own
-MAX_LAUNCHES = 2048  # a level-3 forward launches a few hundred; past this only the count is kept
+# A level-3 forward launches a few hundred; past this only the count is kept. Launching this many
+# kernels to hide a switch in the rest costs a timed call tens of milliseconds of launches alone.
+MAX_LAUNCHES = 16384
 
 
 def describe(launches: list[tuple[str, tuple, dict]], key, input_keys: list[int], output_keys: list[int]) -> list:

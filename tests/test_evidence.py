@@ -566,6 +566,17 @@ def test_a_launch_pattern_describes_arguments_by_their_exact_type():
                          "m=S:4096", "w=T:torch.float32:(2, 3):(3, 1):0:own"]
 
 
+def test_a_switch_after_thousands_of_launches_is_another_pattern():
+    """A forward that launches a few thousand tiny kernels first cannot hide a switch behind them."""
+    from drkernel import launch_pattern
+
+    def forward(last_n: int) -> list:
+        launches = [("tiny", (1,), {"n": 1})] * 3000 + [("relu", (4,), {"n": last_n})]
+        return launch_pattern.describe(launches, id, [], [])
+    p = launch_pattern.Patterns()
+    assert p.learn(forward(4096)) and p.learn(forward(4096)) and not p.allows(forward(0))
+
+
 def test_dtypes_jitted_helpers_numpy_scalars_and_offsets_are_described_by_value():
     """A switch carried by any argument a launch may take is another pattern: `MODE=tl.float32`
     (work) against `tl.int8` (skip), a helper that works against one that does nothing, a numpy
