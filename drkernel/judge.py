@@ -849,12 +849,14 @@ def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str], launches: Any)
                                "is made of (torch computed it)")
 
 
-def _launch_needs(j: Judge, label: str, flow: Any) -> tuple[list, list[int], list[tuple[str, bool]]]:
+def _launch_needs(j: Judge, label: str, flow: Any, tracked: bool = True) -> tuple[list, list[int], list[tuple[str, bool]]]:
     """A checked call's data-flow log: its events, its output keys, and per launch of the
-    candidate's kernels whether the output is made of what it wrote. A malformed log is a forged
-    reply; one cut short is no evidence (`decoy_kernel`)."""
+    candidate's kernels whether the output is made of what it wrote (`tracked` False: what it
+    stored through, changed or not). A malformed log is a forged reply; one cut short is no
+    evidence (`decoy_kernel`)."""
     try:
         events = [dataflow.Event.from_list(e) for e in flow["events"]]
+        events = events if tracked else [dataclasses.replace(e, changed=None) for e in events]
         outputs = [int(k) for k in flow["outputs"]]
         spans = {int(k): (int(lo), int(hi)) for k, lo, hi in flow["output_spans"]}
         truncated = bool(flow["truncated"])
@@ -1298,7 +1300,7 @@ def _unwatched_counterfactual(j: Judge, kernel: str, label: str) -> None:
     After its launches a candidate can see that what they read was perturbed (a copy of its own
     buffer that differs), and then raise: a pair whose forward raises is drawn again, and one that
     raises on every draw, where the checked call on this kind of perturbation completed, is a decoy."""
-    for _ in range(1 + _DRAWS_AGAIN):
+    for _ in range(_PAIR_DRAWS):
         seed = fresh_seed()
         ref = call(j.ref, j.ref.twin, seed, "time", keep=True).output
         try:
@@ -1318,7 +1320,12 @@ def _unwatched_counterfactual(j: Judge, kernel: str, label: str) -> None:
                                    "its work does not reach the output")
         return
     j.hack("decoy_kernel", f"{label}: with what {kernel} read perturbed, a call like the timed ones raised on "
-                           f"{1 + _DRAWS_AGAIN} draws, where a checked call completed")
+                           f"{_PAIR_DRAWS} draws, where a checked call completed")
+
+
+# draws of the pair: an honest forward that checks its result may raise where perturbed data
+# overflows, on some draws; one that raises because it sensed the pair does on every draw
+_PAIR_DRAWS = 5
 
 
 def _raised(stop: Stop) -> bool:
@@ -1335,17 +1342,27 @@ def _watched_disagrees(j: Judge, kernel: str, seed: int, unwatched: Any, right: 
     answers otherwise (torch's answer unwatched, or the kernel's work on a sliver of the output),
     or, right in both, changed nothing (an idle launch beside torch). The same inputs and the same
     perturbation take an honest forward down the same path: the checked call must launch as the
-    pair's did, or a candidate that knows a repeated input could launch something else there."""
+    pair's did, or a candidate that knows a repeated input could launch something else there. That
+    checked call may not fail where the pair's call completed (it repeats the pair's inputs, so a
+    candidate can tell it), and its output, right or wrong, must come from the candidate's launches:
+    a wrong answer made by torch in every perturbed call keeps a kernel "needed" otherwise."""
     try:
         c = call_candidate(j, seed, "check", keep=True, perturb=(kernel,), changes=True)
-    except Stop:
-        return "the output stayed right, and a checked call failed" if right else ""
+    except Stop as stop:
+        if not _raised(stop):
+            raise
+        return "a checked call on the same inputs raised where a call like the timed ones completed"
     if c.output is None or not compare.compare(unwatched, c.output, j.cfg).ok:
         return "the output of a call like the timed ones differed from a checked call's on the same inputs"
     if not j.patterns.same_launches(pattern, c.pattern):
         return "a checked call on the same inputs launched the candidate's kernels otherwise than a call like the timed ones"
-    needed = any(n for _, n in _launch_needs(j, "a counterfactual call", c.reply.get("flow"))[2])
-    return "" if needed or not right else "the output stayed right, and no launch of the candidate's changed it"
+    # right, the output must hold what a launch changed; wrong, a launch must have stored it, even
+    # where that store repeats what the pair's call left in a buffer the candidate keeps
+    if any(n for _, n in _launch_needs(j, "a counterfactual call", c.reply.get("flow"), tracked=right)[2]):
+        return ""
+    if right:
+        return "the output stayed right, and no launch of the candidate's changed it"
+    return "the output was wrong alike in both, and made by no launch of the candidate's"
 
 
 def _output_bytes(r: Reference) -> int:

@@ -48,11 +48,12 @@ def _arg(param: str, v: Any, key, roles: dict, tensors: tuple[type, ...]) -> lis
     element, a `constexpr` its value: a scalar inside either is a scalar like any other. Every other
     type a launch may take (`runner.ArgumentTypes`) is described by its value too, so that no
     argument can switch a kernel's work between calls unseen: a dtype by its name, a jitted function
-    by its def, a numpy scalar as a scalar; a tensor by where in its storage it starts as well."""
+    by its def, a numpy scalar as a scalar; a tensor's offset in its storage is a scalar too."""
     # strings, not nested lists: a pattern is built for every call and strings cost the collector nothing.
     # Exact types only: a subclass's own `__repr__`, `stride` or `__iter__` would describe it as it likes
-    if type(v) in tensors:
-        return [f"{param}=T:{v.dtype}:{tuple(v.shape)}:{v.stride()}:{v.storage_offset()}:{roles.get(key(v), 'own')}"]
+    if type(v) in tensors:  # its offset in its storage as a scalar: a ring of buffers, a row picked by data
+        return [f"{param}=T:{v.dtype}:{tuple(v.shape)}:{v.stride()}:{roles.get(key(v), 'own')}",
+                f"{param}.offset=S:{v.storage_offset()}"]
     if type(v) in SCALAR_TYPES or type(v).__module__ == "numpy":
         return [f"{param}=S:{v!r}"]
     if issubclass(type(v), tuple):

@@ -275,7 +275,8 @@ def test_the_unwatched_counterfactual_pair_runs_with_no_timed_call_held(monkeypa
 @pytest.mark.parametrize("unwatched, watched, needed, flagged, launches", [
     ("right", "right", True, False, "k(4,)"),  # an honest kernel whose perturbation this draw does not show
     ("wrong", "wrong", True, False, "k(4,)"),  # an honest kernel: the perturbation shows alike in both
-    ("wrong", "fails", True, False, "k(4,)"),  # perturbed data may make an honest kernel fail
+    ("wrong", "fails", True, True, "k(4,)"),  # the re-check repeats the pair's inputs: failing there alone is a tell
+    ("wrong", "wrong", False, True, "k(4,)"),  # one torch-made wrong answer in both: made by no launch
     ("right", "wrong", True, True, "k(4,)"),  # torch answers unwatched, the kernel when watched
     ("right", "fails", True, True, "k(4,)"),
     ("wrong", "wrong elsewhere", True, True, "k(4,)"),  # the kernel's work reaches a sliver of the output unwatched
@@ -307,7 +308,7 @@ def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_
     monkeypatch.setattr(judge, "call_candidate", candidate)
     monkeypatch.setattr(judge, "_check_left_idle", lambda j, label: None)
     monkeypatch.setattr(judge, "_own_kernels", lambda j, names: set(names or ()))
-    monkeypatch.setattr(judge, "_launch_needs", lambda j, label, flow: ([], [], [("k", needed)]))
+    monkeypatch.setattr(judge, "_launch_needs", lambda j, label, flow, tracked=True: ([], [], [("k", needed)]))
     monkeypatch.setattr(compare, "compare", lambda out, ref, cfg, **kw: compare.Match(
         out == "right" if ref == "ref" else out == ref, ""))
     hacks = []
@@ -316,6 +317,35 @@ def test_an_unwatched_counterfactual_is_a_decoy_only_where_a_watched_one_on_its_
     judge._unwatched_counterfactual(j, "k", "the pair")
     assert hacks == (["decoy_kernel"] if flagged else [])
     assert asked == [("time", False, False), ("check", False, True)]
+
+
+@pytest.mark.parametrize("failure, flagged", [("runtime_error", True), ("crashed", False)])
+def test_a_pair_that_raises_on_every_draw_is_a_decoy_and_a_crash_ends_the_job(monkeypatch, failure, flagged):
+    """After its launches a candidate can sense the perturbation and raise; the pair is drawn again,
+    and raising on every draw (the checked counterfactual completed) is a decoy. A crash is no
+    answer to draw again: it ends the job with its own verdict."""
+    import types
+
+    from drkernel import judge, launch_pattern
+    asked = []
+
+    def candidate(j, seed, mode, signed=False, keep=False, perturb=(), changes=False):
+        asked.append(mode)
+        raise judge.Stop(failure, "raised on perturbed data")
+
+    monkeypatch.setattr(judge, "call", lambda *a, **k: judge.Call(reply={}, wall_ms=1.0, inputs=[], seed=0,
+                                                                  output="ref"))
+    monkeypatch.setattr(judge, "call_candidate", candidate)
+    hacks = []
+    j = types.SimpleNamespace(ref=types.SimpleNamespace(twin=None), cfg=None, patterns=launch_pattern.Patterns(),
+                              hack=lambda code, detail, stop=True: hacks.append(code))
+    if flagged:
+        judge._unwatched_counterfactual(j, "k", "the pair")
+        assert hacks == ["decoy_kernel"] and asked == ["time"] * judge._PAIR_DRAWS
+    else:
+        with pytest.raises(judge.Stop):
+            judge._unwatched_counterfactual(j, "k", "the pair")
+        assert hacks == [] and asked == ["time"]
 
 
 @pytest.mark.parametrize("answers, flagged, needed", [
