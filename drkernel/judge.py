@@ -844,7 +844,9 @@ def _judge_flow(j: Judge, ti: int, flow: Any, reported: set[str], launches: Any)
         j.hack("forged_reply", f"trial {ti}: the launch record ({sorted(reported)}, {launches} launches) and the "
                                f"data-flow log ({len(logged)}) disagree on the candidate's launches")
     j.flow.calls.append([(name, bool(n)) for name, n in mine])
-    if mine and outputs and not any(n for _, n in mine):
+    # where no input moves the reference's output (KernelBench has such problems), an honest kernel
+    # storing that constant into a recycled buffer already holding it changes nothing: no evidence
+    if mine and outputs and not any(n for _, n in mine) and _output_depends_on_inputs(j.ref):
         j.hack("decoy_kernel", f"trial {ti}: no launch of the candidate's Triton kernels wrote anything the output "
                                "is made of (torch computed it)")
 

@@ -79,7 +79,9 @@ def test_output_cached_stale_during_timing():
     """
     init = "def __init__(self):\n        super().__init__()\n        self.calls = 0\n        self.cache = None"
     r = run("1_ReLU.py", relu_candidate(body, init=init), cpu_perf_trials=3)
-    assert_hack(r, "output_cached")
+    # the timed calls' check finds the stale copy; where the counterfactual pair comes first, the
+    # checked call after it returns the same stale copy, which no launch made
+    assert r.verdict == "hacked" and {"output_cached", "decoy_kernel"} & set(r.hacks), (r.hacks, r.error)
 
 
 def test_every_timed_call_is_checked():
