@@ -494,11 +494,15 @@ class Resumed:
     unfinished: int = 0  # other rows of incomplete rounds
     duplicates: int = 0  # earlier rows of a (task, sample, turn) written again
     backup: Path | None = None  # the old file, copied aside when unusable lines were dropped
-    rounds: int = 0  # STTS rounds the kept rows reach
 
     @property
     def dropped(self) -> int:
         return len(self.skipped) + self.failed + self.unfinished + self.duplicates
+
+    @property
+    def rounds(self) -> int:
+        """The STTS rounds the kept rows reach."""
+        return max((r["iteration"] + 1 for r in self.rows), default=0)
 
 
 def _last_of_each(rows: list[dict]) -> list[dict]:
@@ -551,7 +555,6 @@ def resume_rows(path: Path, cfg: GenerateConfig, policy_name: str, tasks: Sequen
     kept = _complete_rounds(latest, plan)
     failed = sum(map(is_failure, latest))
     res = Resumed(kept, skipped, failed, len(latest) - len(kept) - failed, len(good) - len(latest))
-    res.rounds = max([r["iteration"] + 1 for r in kept], default=0)
     if skipped:  # a line that is no usable row may be something else than a cut one: kept aside
         res.backup = rewrite_keeping_backup(path, kept)
     elif res.dropped:

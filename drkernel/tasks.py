@@ -183,12 +183,14 @@ def _rows_of(files: Sequence[Path]) -> list[dict]:
 
 def _bad_line(path: str, level: int) -> str | None:
     """Where a local copy's level-N files hold a line that is no JSON object, that line (`_rows_of`)."""
+    if not Path(path).is_dir():
+        return None
     try:
-        _rows_of(_split_files(path, level) if Path(path).is_dir() else [])
+        _rows_of(_split_files(path, level))
     except TaskError as exc:
         return str(exc)
-    except OSError:
-        return None
+    except OSError:  # unreadable: `datasets`'s own message says more
+        pass
     return None
 
 
